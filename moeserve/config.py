@@ -1,0 +1,276 @@
+"""The run configuration: one YAML file (or none) plus command-line overrides, validated by pydantic.
+
+Every mistake is reported with the dotted name of the field and what is allowed, e.g.
+``config error: backends.moe: 'cutlas' is not a moe backend; choose one of auto, flashinfer, torch, triton``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from moeserve.ops.names import BACKEND_NAMES, OPERATORS
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class BackendConfig(_Strict):
+    """Which implementation runs each operator; ``auto`` picks the best one this machine supports."""
+
+    attention: str = "auto"
+    moe: str = "auto"
+    linear: str = "auto"
+    sampling: str = "auto"
+    norm: str = "auto"
+    rope: str = "auto"
+    activation: str = "auto"
+
+    @model_validator(mode="after")
+    def _known(self):
+        for op in OPERATORS:
+            name = getattr(self, op)
+            allowed = ("auto",) + BACKEND_NAMES[op]
+            if name not in allowed:
+                raise ValueError(f"{op}: {name!r} is not a {op} backend; choose one of {', '.join(sorted(allowed))}")
+        return self
+
+
+class VllmBaselineConfig(_Strict):
+    enabled: bool = True
+    # Named vLLM configurations to run beside moeserve; see moeserve.bench.vllm_baseline.VLLM_CONFIGS.
+    configs: list[str] = Field(default_factory=lambda: ["default", "flashinfer"])
+    start_timeout_s: float = Field(900.0, gt=0)
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+
+
+class BenchConfig(_Strict):
+    workloads: list[Literal["prefill", "decode", "mixed"]] = Field(default_factory=lambda: ["prefill", "decode", "mixed"])
+    concurrency: list[int] = Field(default_factory=lambda: [1, 8, 32])
+    prompt_len: int = Field(512, ge=1)
+    output_len: int = Field(128, ge=2)
+    runs: int = Field(3, ge=1)
+    warmup_runs: int = Field(1, ge=0)
+    seed: int = 0
+    # Mixed workload: requests arriving while decodes are in flight, one new request every this many steps.
+    mixed_arrival_every: int = Field(4, ge=1)
+    output_dir: str = "bench-results"
+    vllm: VllmBaselineConfig = Field(default_factory=VllmBaselineConfig)
+    plots: bool = True
+
+    @field_validator("concurrency")
+    @classmethod
+    def _positive(cls, v):
+        if not v or any(c < 1 for c in v):
+            raise ValueError(f"every concurrency level must be >= 1, got {v}")
+        return v
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_queue_len: int = Field(256, ge=1)
+
+
+class EngineConfig(_Strict):
+    """Everything that shapes one engine instance and the jobs run on it."""
+
+    model: str = "tiny"
+    weights_dir: str | None = None
+    load_format: Literal["auto", "dummy", "safetensors"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    gpu_arch: str | None = None
+    quantization: Literal["none", "fp8"] = "none"
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    seed: int = 0
+
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    page_size: int = Field(16, ge=1)
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    kv_cache_gb: float | None = Field(None, gt=0)
+    num_kv_pages: int | None = Field(None, ge=1)
+
+    cuda_graph_batch_sizes: list[int] | None = None
+    enforce_eager: bool = False
+    torch_compile: bool = False
+
+    backends: BackendConfig = Field(default_factory=BackendConfig)
+    bench: BenchConfig = Field(default_factory=BenchConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v):
+        if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
+            return v
+        raise ValueError(f"{v!r} is not a device; use auto, cpu, cuda or cuda:N")
+
+    @field_validator("gpu_arch")
+    @classmethod
+    def _arch(cls, v):
+        if v is None:
+            return v
+        core = v.rstrip("af")
+        parts = core.split(".")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"{v!r} is not a GPU architecture; write it like 9.0a or 8.9")
+        return v
+
+    @field_validator("cuda_graph_batch_sizes")
+    @classmethod
+    def _graph_sizes(cls, v):
+        if v is None:
+            return v
+        if any(b < 1 for b in v):
+            raise ValueError(f"batch sizes must be >= 1, got {v}")
+        return sorted(set(v))
+
+    @model_validator(mode="after")
+    def _model_known(self):
+        resolve_model_source(self.model, self.weights_dir)
+        if self.max_num_batched_tokens < self.max_num_seqs and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        return self
+
+    # --- derived values -------------------------------------------------------------------------
+    def graph_batch_sizes(self) -> list[int]:
+        """Decode batch sizes to capture as CUDA graphs, bounded by max_num_seqs."""
+        if self.enforce_eager:
+            return []
+        sizes = self.cuda_graph_batch_sizes
+        if sizes is None:
+            sizes = [1, 2, 4, 8] + list(range(16, 257, 16))
+        return [b for b in sizes if b <= self.max_num_seqs] or ([self.max_num_seqs] if sizes else [])
+
+
+class ModelSource(BaseModel):
+    """Where a model's architecture and weights come from."""
+
+    name: str
+    config: dict[str, Any]
+    config_dir: str | None  # directory holding config.json (and maybe a tokenizer), when there is one
+    weights_dir: str | None  # directory with *.safetensors, when there are weights
+
+
+def _has_safetensors(d: Path) -> bool:
+    return any(d.glob("*.safetensors"))
+
+
+def resolve_model_source(model: str, weights_dir: str | None = None) -> ModelSource:
+    """Turn ``model`` (a preset name, a directory with config.json, or a config.json path) into a ModelSource."""
+    if model in preset_names():
+        cfg = json.loads((PRESET_DIR / f"{model}.json").read_text())
+        src = ModelSource(name=model, config=cfg, config_dir=None, weights_dir=None)
+    else:
+        p = Path(model).expanduser()
+        if p.is_dir():
+            cfg_path = p / "config.json"
+            if not cfg_path.is_file():
+                raise ValueError(f"model: directory {model!r} has no config.json")
+            cfg = json.loads(cfg_path.read_text())
+            src = ModelSource(name=p.name, config=cfg, config_dir=str(p), weights_dir=str(p) if _has_safetensors(p) else None)
+        elif p.is_file() and p.suffix == ".json":
+            cfg = json.loads(p.read_text())
+            src = ModelSource(name=p.stem, config=cfg, config_dir=str(p.parent), weights_dir=None)
+        else:
+            raise ValueError(
+                f"model: {model!r} is neither a preset ({', '.join(preset_names())}) "
+                "nor a directory with config.json nor a config.json file"
+            )
+    if weights_dir is not None:
+        w = Path(weights_dir).expanduser()
+        if not w.is_dir() or not _has_safetensors(w):
+            raise ValueError(f"weights_dir: {weights_dir!r} is not a directory with *.safetensors files")
+        src.weights_dir = str(w)
+    return src
+
+
+# --- loading and overriding ---------------------------------------------------------------------
+
+def _format_error(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"] if x != "__root__")
+        msg = err["msg"]
+        for prefix in ("Value error, ", "Assertion failed, "):
+            if msg.startswith(prefix):
+                msg = msg[len(prefix):]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        elif err["type"] == "literal_error":
+            msg = f"{err['input']!r} is not allowed; {msg.lower()}"
+        elif "input" in err and err["type"].endswith("_type") or err["type"].endswith("_parsing"):
+            msg = f"{msg} (got {err.get('input')!r})"
+        lines.append(f"{loc}: {msg}" if loc else msg)
+    return "config error: " + "; ".join(lines)
+
+
+def _set_dotted(d: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    cur = d
+    for k in keys[:-1]:
+        nxt = cur.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"config error: {dotted}: {k} is not a section")
+        cur = nxt
+    cur[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``a.b=value`` with value parsed as YAML (so 1, 0.5, true, [1, 8] and plain strings all work)."""
+    if "=" not in text:
+        raise ConfigError(f"config error: override {text!r} must look like field=value")
+    key, raw = text.split("=", 1)
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> EngineConfig:
+    """Read a YAML config (optional), apply ``{dotted.field: value}`` overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config error: file {str(path)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config error: {path} is not valid YAML: {e}") from e
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config error: {path} must hold a mapping of fields, not {type(loaded).__name__}")
+        data = loaded
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(data, key, value)
+    try:
+        return EngineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e)) from None
+
+
+def make_config(**fields: Any) -> EngineConfig:
+    """Build a config from keyword fields (nested sections as dicts), with the same error messages."""
+    try:
+        return EngineConfig.model_validate(fields)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e)) from None

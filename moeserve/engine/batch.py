@@ -1,0 +1,94 @@
+"""Turning a scheduled step into device tensors: token ids, positions and the attention CSR metadata.
+
+All integer metadata of a step is packed into one int32 host buffer (pinned on GPU machines) and moved
+to the device with a single copy; the host views stay available for FlashInfer's ``plan()``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moeserve.engine.scheduler import ScheduledSeq
+from moeserve.ops.attention import AttentionInputs
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor  # [T] int32
+    positions: torch.Tensor  # [T] int32
+    attn: AttentionInputs
+    logits_indices: torch.Tensor  # [S] int32: the last token of each request that samples this step
+    num_real: int  # requests before padding
+    num_tokens_real: int
+
+
+class BatchBuilder:
+    def __init__(self, page_size: int, max_tokens: int, max_seqs: int, max_pages: int, device: torch.device):
+        self.page_size = page_size
+        self.device = device
+        cap = 5 * max_tokens + 4 * (max_seqs + 1) + max_pages + 64
+        pin = device.type == "cuda"
+        self.host = torch.zeros(cap, dtype=torch.int32, pin_memory=pin)
+        self.dev = torch.zeros(cap, dtype=torch.int32, device=device) if pin else None
+
+    def build(self, items: list[ScheduledSeq], pad_to: int | None = None) -> StepBatch:
+        ps = self.page_size
+        ids, pos, slots, bidx, qo, kvp, indices, last, logit_idx = [], [], [], [], [0], [0], [], [], []
+        for b, it in enumerate(items):
+            s, start, n = it.seq, it.start, it.num_tokens
+            end = start + n
+            p = np.arange(start, end, dtype=np.int64)
+            ids.append(np.asarray(s.token_slice(start, end), dtype=np.int64))
+            pos.append(p)
+            npages = -(-end // ps)
+            pages = np.asarray(s.pages[:npages], dtype=np.int64)
+            slots.append(pages[p // ps] * ps + p % ps)
+            bidx.append(np.full(n, b, dtype=np.int64))
+            qo.append(qo[-1] + n)
+            kvp.append(kvp[-1] + npages)
+            indices.append(pages)
+            last.append(end - (npages - 1) * ps)
+            if it.samples:
+                logit_idx.append(qo[-1] - 1)
+        num_real, seq_lens = len(items), [it.start + it.num_tokens for it in items]
+        query_lens = [it.num_tokens for it in items]
+        if pad_to is not None and pad_to > num_real:
+            extra = pad_to - num_real
+            zeros = np.zeros(extra, dtype=np.int64)
+            ids.append(zeros), pos.append(zeros), slots.append(zeros)
+            bidx.append(np.arange(num_real, pad_to, dtype=np.int64))
+            indices.append(zeros)  # every padded row reads and writes the reserved page 0
+            for _ in range(extra):
+                qo.append(qo[-1] + 1)
+                kvp.append(kvp[-1] + 1)
+                last.append(1)
+            seq_lens += [1] * extra
+            query_lens += [1] * extra
+        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
+        fields = [cat(ids), cat(pos), cat(slots), cat(bidx), np.asarray(qo), np.asarray(kvp), np.asarray(last),
+                  cat(indices), np.asarray(logit_idx, dtype=np.int64)]
+        sizes = [len(f) for f in fields]
+        flat = np.concatenate(fields).astype(np.int32)
+        n_all = len(flat)
+        host = self.host[:n_all]
+        host.numpy()[:] = flat
+        if self.dev is not None:
+            dev = self.dev[:n_all]
+            dev.copy_(host, non_blocking=True)
+        else:
+            dev = host.clone()
+        offs = np.concatenate([[0], np.cumsum(sizes)])
+        h = [host[offs[i]:offs[i + 1]] for i in range(len(fields))]
+        d = [dev[offs[i]:offs[i + 1]] for i in range(len(fields))]
+        t = sizes[0]
+        attn = AttentionInputs(
+            num_seqs=len(qo) - 1, num_tokens=t, query_lens=query_lens, seq_lens=seq_lens,
+            is_decode=all(q == 1 for q in query_lens) and all(it.start > 0 for it in items),
+            qo_indptr_host=h[4], kv_indptr_host=h[5], kv_indices_host=h[7], kv_last_page_len_host=h[6],
+            qo_indptr=d[4], kv_indptr=d[5], kv_indices=d[7], kv_last_page_len=d[6],
+            slot_mapping=d[2], batch_indices=d[3], token_positions=d[1],
+        )
+        return StepBatch(input_ids=d[0], positions=d[1], attn=attn, logits_indices=d[8], num_real=num_real,
+                         num_tokens_real=sum(it.num_tokens for it in items))

@@ -1,0 +1,187 @@
+"""The engine: requests in, one scheduled step at a time, tokens out.
+
+``add_request`` validates a request completely before it touches any state, so a bad request is refused
+with a message naming the problem and every other request carries on.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from moeserve.config import EngineConfig, resolve_model_source
+from moeserve.engine.kv_cache import PagePool
+from moeserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from moeserve.engine.runner import ModelRunner
+from moeserve.engine.sampling_params import SamplingParams
+from moeserve.engine.scheduler import Scheduler
+from moeserve.engine.sequence import Sequence
+from moeserve.hardware import probe
+
+log = logging.getLogger("moeserve")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message names the parameter and the problem."""
+
+
+def load_tokenizer(config_dir: str | None):
+    if config_dir is None or not any((Path(config_dir) / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(config_dir)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, capture_graphs: bool = True):
+        t0 = time.perf_counter()
+        self.config = config
+        self.source = resolve_model_source(config.model, config.weights_dir)
+        self.hardware = probe()
+        self.runner = ModelRunner(config, self.source, self.hardware)
+        self.arch = self.runner.arch
+        self.max_model_len = self.runner.max_model_len
+        self.pool = PagePool(self.runner.kv.num_pages, config.page_size)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.tokenizer = load_tokenizer(self.source.config_dir)
+        eos = set(self.arch.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.sequences: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.stats = {"steps": 0, "mixed_steps": 0, "prefill_chunks": 0, "decode_tokens": 0, "prefill_tokens": 0}
+        if capture_graphs:
+            self.runner.capture_graphs(config.graph_batch_sizes())
+        self.ready_seconds = time.perf_counter() - t0
+        log.info("engine ready in %.1f s: %s on %s, %s, backends %s, %d KV pages of %d tokens",
+                 self.ready_seconds, self.source.name, self.runner.device, str(self.runner.dtype).removeprefix("torch."),
+                 self.runner.backend_names, self.pool.capacity, self.pool.page_size)
+
+    # --- requests ------------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("prompt: this model has no tokenizer; send token ids (prompt_token_ids) instead of text")
+        return self.tokenizer.encode(prompt)
+
+    def validate(self, prompt_token_ids, params: SamplingParams) -> None:
+        if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
+            raise RequestError("prompt: must hold at least one token")
+        vocab = self.arch.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise RequestError(f"prompt_token_ids: every token id must be an integer in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt: {len(prompt_token_ids)} tokens do not fit: max_model_len is {self.max_model_len} "
+                "and at least one token must be generated")
+        try:
+            params.validate()
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop: stop strings need a tokenizer; use stop_token_ids with this model")
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Sequence:
+        params = params or SamplingParams()
+        self.validate(prompt_token_ids, params)
+        request_id = request_id if request_id is not None else self.new_request_id()
+        if request_id in self.sequences:
+            raise RequestError(f"request_id: {request_id!r} is already in use")
+        seq = Sequence(request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self.sequences.pop(request_id, None)
+        if seq is None or seq.is_finished:
+            return False
+        self.scheduler.abort(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- steps ---------------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Run one step; returns the sequences that got a token or finished in it."""
+        out = self.scheduler.schedule()
+        if not out.items:
+            return []
+        sampled = self.runner.execute(out.items, out.is_decode)
+        self._count(out)
+        touched = [it.seq for it, tok in zip(out.items, sampled) if tok is not None]
+        self.scheduler.update(out, sampled)
+        for seq in touched:
+            if seq.params.stop and not seq.is_finished:
+                self._check_stop_strings(seq)
+        for seq in touched:
+            if seq.is_finished:
+                self.sequences.pop(seq.request_id, None)
+        return touched
+
+    def _count(self, out) -> None:
+        st = self.stats
+        st["steps"] += 1
+        decodes = [it for it in out.items if it.num_tokens == 1 and it.start > 0]
+        st["decode_tokens"] += len(decodes)
+        st["prefill_tokens"] += out.num_tokens - len(decodes)
+        st["prefill_chunks"] += sum(1 for it in out.items if not it.samples)
+        if decodes and len(decodes) < len(out.items):
+            st["mixed_steps"] += 1
+
+    def _check_stop_strings(self, seq: Sequence) -> None:
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        if any(s in text for s in seq.params.stop):
+            seq.finish_reason = "stop"
+            self.scheduler.finish(seq)
+
+    def decode_text(self, seq: Sequence) -> str:
+        if self.tokenizer is None or not seq.params.detokenize:
+            return ""
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        for s in seq.params.stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text = text[:cut]
+        return text
+
+    def output(self, seq: Sequence, prompt: str | None = None, index: int = 0) -> RequestOutput:
+        t = seq.timing
+        return RequestOutput(
+            request_id=seq.request_id, prompt=prompt, prompt_token_ids=seq.prompt_token_ids,
+            outputs=[CompletionOutput(index, list(seq.output_token_ids), self.decode_text(seq), seq.finish_reason)],
+            finished=seq.is_finished,
+            metrics=RequestMetrics(t.arrival, t.first_scheduled, t.first_token, t.finished, list(t.token_times),
+                                   seq.num_preemptions),
+        )
+
+    # --- introspection -------------------------------------------------------------------------
+    def memory_report(self) -> dict:
+        r = self.runner
+        d = {"weights_bytes": r.weights_bytes, "kv_cache_bytes": r.kv.nbytes,
+             "activation_peak_bytes": r.activation_peak_bytes, "graph_bytes": r.graph_memory_bytes}
+        if r.device.type == "cuda":
+            d["max_allocated_bytes"] = torch.cuda.max_memory_allocated(r.device)
+            d["max_reserved_bytes"] = torch.cuda.max_memory_reserved(r.device)
+        return d
+
+    def describe(self) -> dict:
+        r = self.runner
+        return {
+            "model": self.source.name, "model_type": self.arch.model_type, "device": str(r.device),
+            "dtype": str(r.dtype).removeprefix("torch."), "load_format": r.load_format,
+            "backends": dict(r.backend_names), "kv_pages": self.pool.capacity, "page_size": self.pool.page_size,
+            "max_model_len": self.max_model_len, "cuda_graph_batch_sizes": r.graphs.sizes if r.graphs else [],
+            "init_seconds": r.init_seconds, "load_seconds": r.load_seconds,
+            "graph_capture_seconds": r.graph_capture_seconds, "ready_seconds": self.ready_seconds,
+        }

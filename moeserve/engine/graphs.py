@@ -1,0 +1,73 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, captured largest first in a shared pool.
+
+A decode batch is padded up to the smallest captured size that holds it (padded rows read and write the
+reserved page 0); batches larger than the largest bucket run eagerly. Each graph covers the whole model
+forward and the LM head; sampling runs after it, outside the graph.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from moeserve.engine.batch import StepBatch
+
+log = logging.getLogger("moeserve")
+
+
+class DecodeGraphs:
+    def __init__(self, runner, sizes: list[int]):
+        self.runner = runner
+        self.sizes = sorted(set(sizes))
+        self.max_batch_size = self.sizes[-1]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def bucket(self, batch_size: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, batch_size)]
+
+    def _dummy_batch(self, bs: int) -> StepBatch:
+        return self.runner.builder.build([], pad_to=bs)
+
+    @torch.no_grad()
+    def capture(self, progress: bool = True) -> None:
+        r = self.runner
+        attn, model = r.ops.attention, r.model
+        sizes = sorted(self.sizes, reverse=True)
+        iterator = sizes
+        bar = None
+        if progress:
+            from rich.progress import Progress
+            bar = Progress(transient=False)
+            bar.start()
+            task = bar.add_task("capturing decode CUDA graphs", total=len(sizes))
+        try:
+            for bs in iterator:
+                attn.init_graph(bs, r.max_pages_per_seq)
+                ids = torch.zeros(bs, dtype=torch.int32, device=r.device)
+                pos = torch.zeros(bs, dtype=torch.int32, device=r.device)
+                attn.begin_graph(bs, self._dummy_batch(bs).attn)
+                model.compute_logits(model(ids, pos))  # warm-up: loads kernels outside the capture
+                torch.cuda.synchronize(r.device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    logits = model.compute_logits(model(ids, pos))
+                if self.pool is None:
+                    self.pool = g.pool()
+                self.graphs[bs], self.inputs[bs], self.outputs[bs] = g, (ids, pos), logits
+                if bar is not None:
+                    bar.update(task, advance=1, description=f"capturing decode CUDA graphs (batch {bs})")
+        finally:
+            if bar is not None:
+                bar.stop()
+
+    def replay(self, bs: int, batch: StepBatch) -> torch.Tensor:
+        ids, pos = self.inputs[bs]
+        ids.copy_(batch.input_ids)
+        pos.copy_(batch.positions)
+        self.runner.ops.attention.begin_graph(bs, batch.attn)
+        self.graphs[bs].replay()
+        return self.outputs[bs]

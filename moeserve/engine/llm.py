@@ -1,0 +1,94 @@
+"""The offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, sampling_params)``."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from moeserve.config import EngineConfig, make_config
+from moeserve.engine.engine import LLMEngine, RequestError
+from moeserve.engine.outputs import RequestOutput
+from moeserve.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """An engine for offline batches.
+
+    ``LLM(model="tiny")`` runs the embedded tiny model; ``model`` may also be a preset name, a directory
+    holding config.json (and safetensors and a tokenizer), or a config.json path. Other keyword
+    arguments are engine config fields (``max_num_seqs=8``, ``backends={"moe": "triton"}``, ...).
+    """
+
+    def __init__(self, model: str = "tiny", load_format: str = "auto", dtype: str = "auto", device: str = "auto",
+                 config: EngineConfig | None = None, **engine_options: Any):
+        if config is None:
+            config = make_config(model=model, load_format=load_format, dtype=dtype, device=device, **engine_options)
+        self.engine = LLMEngine(config)
+        self.config = config
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def _prompt_ids(self, i: int, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            try:
+                return prompt, self.engine.tokenize(prompt)
+            except RequestError as e:
+                raise RequestError(f"prompts[{i}]: {e}") from None
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        raise RequestError(f"prompts[{i}]: must be a string or a dict with 'prompt_token_ids', "
+                           f"got {type(prompt).__name__}")
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """One output per prompt, in order. Every prompt is checked before any is queued, so a bad one
+        raises ``RequestError`` naming its index and the engine is left as it was."""
+        single = isinstance(prompts, (str, dict))
+        prompts = [prompts] if single else list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise RequestError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        parsed = [self._prompt_ids(i, p) for i, p in enumerate(prompts)]
+        for i, ((_, ids), sp) in enumerate(zip(parsed, params)):
+            try:
+                self.engine.validate(ids, sp)
+            except RequestError as e:
+                raise RequestError(f"prompts[{i}]: {e}") from None
+        engine = self.engine
+        groups = []  # per prompt: its sub-requests (n of them)
+        for (text, ids), sp in zip(parsed, params):
+            subs = []
+            for j in range(sp.n):
+                sub = sp if sp.n == 1 else dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
+                subs.append(engine.add_request(ids, sub))
+            groups.append((text, subs))
+        bar = None
+        if use_tqdm:
+            from rich.progress import Progress
+            bar = Progress(transient=True)
+            bar.start()
+            task = bar.add_task("generating", total=sum(len(s) for _, s in groups))
+        try:
+            pending = {s.request_id for _, subs in groups for s in subs}
+            while pending:
+                for seq in engine.step():
+                    if seq.is_finished and seq.request_id in pending:
+                        pending.discard(seq.request_id)
+                        if bar is not None:
+                            bar.update(task, advance=1)
+                if not engine.has_unfinished() and pending:
+                    raise RuntimeError(f"requests {sorted(pending)} were dropped by the scheduler")
+        finally:
+            if bar is not None:
+                bar.stop()
+        results = []
+        for text, subs in groups:
+            outs = [engine.output(s, text, index=j) for j, s in enumerate(subs)]
+            first = outs[0]
+            first.outputs = [o.outputs[0] for o in outs]
+            for j, c in enumerate(first.outputs):
+                c.index = j
+            results.append(first)
+        return results

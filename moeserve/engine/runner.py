@@ -1,0 +1,222 @@
+"""The model runner: builds the model on its device with the chosen backends, sizes the KV cache, and
+runs one scheduled step (forward, logits, sampling), through captured CUDA graphs for decode steps."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from moeserve.config import EngineConfig, ModelSource
+from moeserve.engine.batch import BatchBuilder
+from moeserve.engine.kv_cache import KVCache
+from moeserve.engine.scheduler import ScheduledSeq
+from moeserve.hardware import HardwareInfo, check_gpu_arch, resolve_device
+from moeserve.models import arch_from_hf
+from moeserve.models.layers import MoECausalLM, Ops
+from moeserve.ops import registry
+from moeserve.ops.sampling import SamplingBatch
+from moeserve.weights import init_dummy, load_checkpoint
+
+log = logging.getLogger("moeserve")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_BUDGET_BYTES = 1 << 30
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    if requested != "auto":
+        return DTYPES[requested]
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, source: ModelSource, hw: HardwareInfo):
+        t_start = time.perf_counter()
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        check_gpu_arch(cfg.gpu_arch, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.arch = arch = arch_from_hf(source.config)
+        self.dtype = resolve_dtype(cfg.dtype, arch.torch_dtype, self.device)
+        if cfg.quantization != "none":
+            raise NotImplementedError(f"quantization: {cfg.quantization!r} is not supported by this build")
+        if cfg.kv_cache_dtype != "auto":
+            raise NotImplementedError(f"kv_cache_dtype: {cfg.kv_cache_dtype!r} is not supported by this build")
+        self.max_model_len = cfg.max_model_len or arch.max_position_embeddings
+        if self.max_model_len > arch.max_position_embeddings:
+            raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
+                             f"({arch.max_position_embeddings})")
+
+        specs = {op: registry.resolve(op, getattr(cfg.backends, op), hw, self.device, self.dtype, cfg.quantization)
+                 for op in ("attention", "moe", "linear", "sampling", "norm", "rope", "activation")}
+        self.backend_names = {op: s.name for op, s in specs.items()}
+        load = registry.load
+        self.ops = Ops(
+            linear=load(specs["linear"])(self.device, self.dtype),
+            norm=load(specs["norm"])(),
+            activation=load(specs["activation"])(),
+            moe=load(specs["moe"])(self.device, self.dtype),
+            rope_cls=load(specs["rope"]),
+            names=self.backend_names,
+        )
+        self._attn_cls = load(specs["attention"])
+
+        # weights
+        t0 = time.perf_counter()
+        torch.manual_seed(cfg.seed)
+        self.model = MoECausalLM(arch, self.ops, self.dtype, self.device)
+        use_dummy = cfg.load_format == "dummy" or (cfg.load_format == "auto" and source.weights_dir is None)
+        if cfg.load_format == "safetensors" and source.weights_dir is None:
+            raise ValueError(f"load_format: 'safetensors' but model {cfg.model!r} has no *.safetensors files "
+                             "(use load_format: dummy for random weights)")
+        if use_dummy:
+            init_dummy(self.model, seed=cfg.seed)
+        else:
+            load_checkpoint(self.model, source.weights_dir)
+        for block in self.model.moe_blocks():
+            self.ops.moe.prepare(block)
+        self.load_format = "dummy" if use_dummy else "safetensors"
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.load_seconds = time.perf_counter() - t0
+
+        # KV cache
+        self.page_size = cfg.page_size
+        self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
+        self.activation_peak_bytes = 0
+        num_pages = self._num_kv_pages()
+        self.kv = KVCache(arch.num_layers, num_pages, self.page_size, arch.num_kv_heads, arch.head_dim,
+                          self.dtype, self.device)
+        self.ops.attention = self._make_attention(self.kv)
+        self.sampler = load(specs["sampling"])(self.device, cfg.seed)
+        self.builder = BatchBuilder(self.page_size, max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
+                                    cfg.max_num_seqs, num_pages + cfg.max_num_seqs, self.device)
+        self.graphs = None
+        self.graph_capture_seconds = 0.0
+        self.graph_memory_bytes = 0
+        self.init_seconds = time.perf_counter() - t_start
+
+    # --- set-up --------------------------------------------------------------------------------
+    def _make_attention(self, kv: KVCache):
+        a = self.arch
+        return self._attn_cls(kv, a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim ** -0.5, self.device,
+                              self.dtype)
+
+    def _num_kv_pages(self) -> int:
+        cfg, a = self.cfg, self.arch
+        per_page = KVCache.bytes_per_page(a.num_layers, self.page_size, a.num_kv_heads, a.head_dim, self.dtype)
+        if cfg.num_kv_pages is not None:
+            pages = cfg.num_kv_pages
+        elif cfg.kv_cache_gb is not None:
+            pages = int(cfg.kv_cache_gb * (1 << 30)) // per_page
+        elif self.device.type == "cuda":
+            self.activation_peak_bytes = self._profile_activations()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = cfg.gpu_memory_utilization * total - (total - free) - self.activation_peak_bytes
+            pages = int(budget) // per_page
+        else:
+            wanted = cfg.max_num_seqs * self.max_pages_per_seq + 1
+            pages = min(wanted, CPU_KV_BUDGET_BYTES // per_page)
+        if pages - 1 < self.max_pages_per_seq:
+            raise ValueError(
+                f"the KV cache holds {max(pages - 1, 0)} pages of {self.page_size} tokens but one request of "
+                f"max_model_len {self.max_model_len} needs {self.max_pages_per_seq}; lower max_model_len or give "
+                "the cache more memory (gpu_memory_utilization, kv_cache_gb or num_kv_pages)")
+        return pages
+
+    @torch.no_grad()
+    def _profile_activations(self) -> int:
+        """Peak activation bytes of the largest step (``max_num_batched_tokens`` prefill tokens)."""
+        from moeserve.engine.scheduler import ScheduledSeq
+        from moeserve.engine.sequence import Sequence
+        from moeserve.engine.sampling_params import SamplingParams
+        n = min(self.cfg.max_num_batched_tokens, self.max_model_len)
+        seqs = max(1, -(-self.cfg.max_num_batched_tokens // n))
+        pages = seqs * (-(-n // self.page_size)) + 1
+        kv = KVCache(self.arch.num_layers, pages, self.page_size, self.arch.num_kv_heads, self.arch.head_dim,
+                     self.dtype, self.device)
+        saved, self.ops.attention = self.ops.attention, self._make_attention(kv)
+        items, next_page = [], 1
+        for i in range(seqs):
+            s = Sequence(f"profile-{i}", [0] * n, SamplingParams(max_tokens=1))
+            need = -(-n // self.page_size)
+            s.pages = list(range(next_page, next_page + need))
+            next_page += need
+            items.append(ScheduledSeq(s, 0, n))
+        builder = BatchBuilder(self.page_size, seqs * n, seqs, pages, self.device)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        batch = builder.build(items)
+        self.ops.attention.begin(batch.attn)
+        hidden = self.model(batch.input_ids, batch.positions)
+        self.model.compute_logits(hidden[batch.logits_indices])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.ops.attention = saved
+        del kv, hidden, builder
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    def capture_graphs(self, sizes: list[int], progress: bool = True) -> None:
+        if self.device.type != "cuda" or not sizes:
+            return
+        if not getattr(self.ops.attention, "supports_graphs", False):
+            log.warning("CUDA graphs: the %s attention backend cannot be captured; decode runs eagerly",
+                        self.backend_names["attention"])
+            return
+        from moeserve.engine.graphs import DecodeGraphs
+        t0 = time.perf_counter()
+        free0 = torch.cuda.mem_get_info(self.device)[0]
+        self.graphs = DecodeGraphs(self, sizes)
+        self.graphs.capture(progress=progress)
+        torch.cuda.synchronize(self.device)
+        self.graph_capture_seconds = time.perf_counter() - t0
+        self.graph_memory_bytes = max(0, free0 - torch.cuda.mem_get_info(self.device)[0])
+
+    # --- a step --------------------------------------------------------------------------------
+    def sampling_batch(self, items: list[ScheduledSeq]) -> SamplingBatch:
+        ps = [it.seq.params for it in items]
+        dev = self.device
+        gens = []
+        for it in items:
+            s = it.seq
+            if s.params.seed is not None and s.generator is None:
+                s.generator = self.sampler.make_generator(s.params.seed)
+            gens.append(s.generator)
+        return SamplingBatch(
+            temperature=torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev),
+            top_k=torch.tensor([p.effective_top_k for p in ps], dtype=torch.int32, device=dev),
+            top_p=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev),
+            min_p=torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev),
+            greedy=[p.greedy for p in ps], seeds=[p.seed for p in ps],
+            steps=[len(it.seq.output_token_ids) for it in items], generators=gens,
+        )
+
+    @torch.no_grad()
+    def forward_logits(self, items: list[ScheduledSeq], is_decode: bool) -> torch.Tensor:
+        """Logits of every request in ``items`` that samples this step (float32 ``[S, V]``)."""
+        graphs = self.graphs
+        if graphs is not None and is_decode and len(items) <= graphs.max_batch_size:
+            bucket = graphs.bucket(len(items))
+            batch = self.builder.build(items, pad_to=bucket)
+            return graphs.replay(bucket, batch)[:len(items)]
+        batch = self.builder.build(items)
+        self.ops.attention.begin(batch.attn)
+        hidden = self.model(batch.input_ids, batch.positions)
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+    @torch.no_grad()
+    def execute(self, items: list[ScheduledSeq], is_decode: bool) -> list[int | None]:
+        if not items:
+            return []
+        logits = self.forward_logits(items, is_decode)
+        sampling = [it for it in items if it.samples]
+        if not sampling:
+            return [None] * len(items)
+        tokens = self.sampler.sample(logits, self.sampling_batch(sampling)).tolist()
+        it_tokens = iter(tokens)
+        return [next(it_tokens) if it.samples else None for it in items]

@@ -1,0 +1,152 @@
+"""Continuous batching with a token budget, chunked prefill, mixed steps and preemption by recompute.
+
+Every step the scheduler fills a budget of ``max_num_batched_tokens``: first the running requests in
+arrival order (a decode costs one token; a prompt still being prefilled costs its next chunk), then
+waiting requests while there is budget, room under ``max_num_seqs`` and free pages. A prompt longer than
+the remaining budget is cut into chunks over several steps, so one step can hold prefill chunks and
+decodes together. When a running request needs a page and none is free, the most recently arrived
+running request is preempted: its pages are freed and it goes back to the front of the queue to be
+recomputed from its tokens later. Its tokens so far are kept, so preemption never changes them.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from moeserve.engine.kv_cache import PagePool
+from moeserve.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # tokens already in the cache
+    num_tokens: int  # tokens fed this step
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the sequence's last pending token, so a new token is sampled."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    items: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(i.num_tokens for i in self.items)
+
+    @property
+    def is_decode(self) -> bool:
+        return bool(self.items) and all(i.num_tokens == 1 and i.start > 0 for i in self.items)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(i.num_tokens for i in self.items if not (i.num_tokens == 1 and i.start > 0))
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int):
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # --- queue ---------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = seq.finish_reason or "abort"
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.pages:
+            self.pool.free(seq.pages)
+            seq.pages = []
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give ``seq`` the pages for ``num_tokens`` more tokens if they are free."""
+        need = self.pool.pages_for(seq.num_computed + num_tokens) - len(seq.pages)
+        if need > self.pool.num_free:
+            return False
+        if need > 0:
+            seq.pages.extend(self.pool.allocate(need))
+        return True
+
+    # --- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_pending, budget)
+            while not self._grow(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.items.append(ScheduledSeq(seq, seq.num_computed, n))
+                budget -= n
+                i += 1
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                n = min(seq.num_pending, budget)
+                if not self._grow(seq, n):
+                    break
+                self.waiting.popleft()
+                seq.status = Status.RUNNING
+                if seq.timing.first_scheduled is None:
+                    seq.timing.first_scheduled = time.perf_counter()
+                self.running.append(seq)
+                out.items.append(ScheduledSeq(seq, seq.num_computed, n))
+                budget -= n
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+        """Advance the scheduled sequences by what the step computed; returns those that finished."""
+        now = time.perf_counter()
+        finished = []
+        for item, token in zip(out.items, sampled):
+            seq = item.seq
+            seq.num_computed = item.start + item.num_tokens
+            if token is not None:
+                seq.append_token(token, now)
+            if seq.finish_reason is not None:
+                self.finish(seq, now)
+                finished.append(seq)
+        return finished
+
+    def finish(self, seq: Sequence, now: float | None = None) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self._release(seq)
+        seq.status = Status.FINISHED
+        seq.timing.finished = now or time.perf_counter()

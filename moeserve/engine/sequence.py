@@ -1,0 +1,104 @@
+"""One request's state as it moves through the engine: tokens, pages, progress, timing."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from moeserve.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Timing:
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+
+class Sequence:
+    """A request's tokens and cache pages.
+
+    ``num_computed`` counts the leading tokens whose keys and values are in the cache; the tokens after
+    it are what the next steps must feed through the model (a prompt, a prompt's remaining chunk, or the
+    one token sampled last step). Preemption frees the pages and sets ``num_computed`` back to 0, so the
+    whole sequence is recomputed as if it were a prompt.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: tuple[int, ...] = (), max_model_len: int = 1 << 30):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.status = Status.WAITING
+        self.num_computed = 0
+        self.pages: list[int] = []
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.timing = Timing()
+        self.generator = None  # a torch.Generator for seeded sampling, made on first use
+
+    # --- sizes ---------------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        p = self.num_prompt_tokens
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    # --- progress ------------------------------------------------------------------------------
+    def append_token(self, token: int, now: float) -> None:
+        self.output_token_ids.append(token)
+        if self.timing.first_token is None:
+            self.timing.first_token = now
+        self.timing.token_times.append(now)
+        self._check_stop(token)
+
+    def _check_stop(self, token: int) -> None:
+        p = self.params
+        n_out = len(self.output_token_ids)
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                self.finish_reason = "stop"
+            elif token in p.stop_token_ids:
+                self.finish_reason = "stop"
+        if self.finish_reason is None:
+            if p.max_tokens is not None and n_out >= p.max_tokens:
+                self.finish_reason = "length"
+            elif self.num_tokens >= self.max_model_len:
+                self.finish_reason = "length"
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={len(self.output_token_ids)}, computed={self.num_computed}, pages={len(self.pages)})")

@@ -1,0 +1,1 @@
+"""Operator backends: attention, MoE, linear, sampling, norm, RoPE and activation."""

@@ -1,0 +1,33 @@
+"""Paged attention: the per-step inputs every backend reads, and the backends themselves."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionInputs:
+    """One step's batch in FlashInfer's CSR form.
+
+    Request b feeds ``query_lens[b]`` new tokens and afterwards holds ``seq_lens[b]`` tokens in pages
+    ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``; the last page holds ``kv_last_page_len[b]`` of them.
+    ``*_host`` tensors live in (pinned) host memory for ``plan()``; the rest are on the device.
+    """
+
+    num_seqs: int
+    num_tokens: int
+    query_lens: list[int]
+    seq_lens: list[int]
+    is_decode: bool
+    qo_indptr_host: torch.Tensor
+    kv_indptr_host: torch.Tensor
+    kv_indices_host: torch.Tensor
+    kv_last_page_len_host: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    slot_mapping: torch.Tensor  # [T] int64: page * page_size + offset of each new token
+    batch_indices: torch.Tensor  # [T] int32: which request each new token belongs to
+    token_positions: torch.Tensor  # [T] int32: each new token's position within its request

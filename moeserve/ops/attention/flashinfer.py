@@ -1,0 +1,113 @@
+"""FlashInfer paged attention: one ``plan()`` per step outside any graph, then ``run()`` in every layer.
+
+- Steps that are all decodes use ``BatchDecodeWithPagedKVCacheWrapper`` (tensor-core decode, which reuses
+  the prefill kernels, when the GQA group is 4 or more; CUDA-core decode otherwise).
+- Any step with a prefill chunk, mixed with decodes or not, uses one causal
+  ``BatchPrefillWithPagedKVCacheWrapper`` plan over all its requests (FA3 on sm90), which also covers
+  chunked prefill over earlier pages.
+- New keys and values go in through ``flashinfer.page.append_paged_kv_cache``.
+- CUDA graphs: each captured decode batch size gets its own decode wrapper with fixed index buffers;
+  ``begin_graph`` plans it and copies the step's positions into the fixed buffers before replay.
+
+``plan()`` defaults to fp16 queries and non-causal masks; both are set explicitly here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.engine.kv_cache import KVCache
+from moeserve.ops import flashinfer_env  # noqa: F401
+from moeserve.ops.attention import AttentionInputs
+
+WORKSPACE_BYTES = 256 << 20
+
+
+@dataclass
+class _GraphBuffers:
+    wrapper: object
+    inputs: AttentionInputs  # device tensors here are the fixed buffers the graph reads
+
+
+class FlashInferAttention:
+    name = "flashinfer"
+    supports_graphs = True
+
+    def __init__(self, kv_cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 device: torch.device, dtype: torch.dtype, use_tensor_cores: bool | None = None,
+                 prefill_backend: str = "auto", **_):
+        import flashinfer
+        from flashinfer.page import append_paged_kv_cache
+        self._fi = flashinfer
+        self._append = append_paged_kv_cache
+        self.kv = kv_cache
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.device = device
+        self.dtype = dtype
+        self.kv_dtype = kv_cache.dtype
+        self.use_tensor_cores = (num_heads // num_kv_heads >= 4) if use_tensor_cores is None else use_tensor_cores
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=prefill_backend)
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
+        self.graphs: dict[int, _GraphBuffers] = {}
+        self.inp: AttentionInputs | None = None
+        self.wrapper = None
+
+    # --- eager steps ---------------------------------------------------------------------------
+    def _plan_decode(self, wrapper, inp: AttentionInputs) -> None:
+        wrapper.plan(inp.kv_indptr_host, inp.kv_indices, inp.kv_last_page_len_host, self.num_heads,
+                     self.num_kv_heads, self.head_dim, self.kv.page_size, q_data_type=self.dtype,
+                     kv_data_type=self.kv_dtype, sm_scale=self.scale, non_blocking=True)
+
+    def begin(self, inp: AttentionInputs) -> None:
+        self.inp = inp
+        if inp.is_decode:
+            self._plan_decode(self.decode, inp)
+            self.wrapper = self.decode
+        else:
+            self.prefill.plan(inp.qo_indptr_host, inp.kv_indptr_host, inp.kv_indices, inp.kv_last_page_len_host,
+                              self.num_heads, self.num_kv_heads, self.head_dim, self.kv.page_size, causal=True,
+                              q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=self.scale,
+                              non_blocking=True)
+            self.wrapper = self.prefill
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = self.kv.layer(layer)
+        inp = self.inp
+        self._append(k, v, inp.batch_indices, inp.token_positions, cache, inp.kv_indices, inp.kv_indptr,
+                     inp.kv_last_page_len, kv_layout="NHD")
+        return self.wrapper.run(q, cache)
+
+    # --- CUDA-graph decode ---------------------------------------------------------------------
+    def init_graph(self, batch_size: int, max_pages_per_seq: int) -> None:
+        """Fixed buffers and a graph-mode decode wrapper for one captured batch size."""
+        dev = self.device
+        indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
+        indices = torch.zeros(batch_size * max_pages_per_seq, dtype=torch.int32, device=dev)
+        last = torch.ones(batch_size, dtype=torch.int32, device=dev)
+        wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+            paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
+        empty = torch.empty(0, dtype=torch.int32)
+        inputs = AttentionInputs(
+            num_seqs=batch_size, num_tokens=batch_size, query_lens=[1] * batch_size, seq_lens=[1] * batch_size,
+            is_decode=True, qo_indptr_host=empty, kv_indptr_host=empty, kv_indices_host=empty,
+            kv_last_page_len_host=empty,
+            qo_indptr=torch.arange(batch_size + 1, dtype=torch.int32, device=dev),
+            kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last,
+            slot_mapping=torch.zeros(batch_size, dtype=torch.int64, device=dev),
+            batch_indices=torch.arange(batch_size, dtype=torch.int32, device=dev),
+            token_positions=torch.zeros(batch_size, dtype=torch.int32, device=dev),
+        )
+        self.graphs[batch_size] = _GraphBuffers(wrapper, inputs)
+
+    def begin_graph(self, batch_size: int, inp: AttentionInputs) -> None:
+        """Plan the captured wrapper for this step (``inp`` already padded to ``batch_size``)."""
+        g = self.graphs[batch_size]
+        self._plan_decode(g.wrapper, inp)
+        g.inputs.token_positions.copy_(inp.token_positions, non_blocking=True)
+        self.inp = g.inputs
+        self.wrapper = g.wrapper

@@ -1,0 +1,124 @@
+"""RMSNorm, rotary embedding and SiLU-and-mul: a torch reference and the FlashInfer kernels for each."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moeserve.ops import flashinfer_env  # noqa: F401  (sets FlashInfer's environment before its import)
+
+
+# --- RMSNorm ------------------------------------------------------------------------------------
+
+class TorchNorm:
+    """RMSNorm as Hugging Face computes it: in float32, cast back, then scaled by the weight."""
+
+    name = "torch"
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(dtype)
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        """``residual + x`` becomes the new residual; returns (rmsnorm(new residual), new residual)."""
+        residual = residual + x
+        return self.rmsnorm(residual, weight, eps), residual
+
+
+class FlashInferNorm:
+    name = "flashinfer"
+
+    def __init__(self):
+        import flashinfer.norm as fn
+        self._fn = fn
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() == 3:  # per-head q/k norm: FlashInfer takes (tokens, heads, dim) directly
+            return self._fn.rmsnorm(x.contiguous(), weight, eps)
+        return self._fn.rmsnorm(x, weight, eps)
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        # In place: residual += x; x = rmsnorm(residual) * weight.
+        self._fn.fused_add_rmsnorm(x, residual, weight, eps)
+        return x, residual
+
+
+# --- rotary embedding ---------------------------------------------------------------------------
+
+def rope_cos_sin_cache(rotary_dim: int, max_positions: int, theta: float, scaling: dict | None = None,
+                       device: torch.device | None = None) -> torch.Tensor:
+    """float32 ``[max_positions, rotary_dim]``: cos in the first half of each row, sin in the second."""
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
+        raise ValueError(f"rope_scaling: type {scaling.get('rope_type', scaling.get('type'))!r} is not supported")
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    pos = torch.arange(max_positions, dtype=torch.int64).float()
+    freqs = pos[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+
+
+class TorchRope:
+    """Neox-style (rotate-half) RoPE over the first ``rotary_dim`` dims of each head, as HF applies it."""
+
+    name = "torch"
+
+    def __init__(self, head_dim: int, rotary_dim: int, cos_sin_cache: torch.Tensor):
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.cache = cos_sin_cache
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        x = x.view(t, -1, self.head_dim)
+        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
+        half = self.rotary_dim // 2
+        x1, x2 = rot[..., :half], rot[..., half:]
+        rotated = torch.cat([-x2, x1], dim=-1)
+        c = torch.cat([cos, cos], dim=-1)[:, None, :]
+        s = torch.cat([sin, sin], dim=-1)[:, None, :]
+        out = rot * c + rotated * s
+        if rest.shape[-1]:
+            out = torch.cat([out, rest], dim=-1)
+        return out.reshape(t, -1)
+
+    def apply(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cs = self.cache[positions]
+        half = self.rotary_dim // 2
+        cos, sin = cs[:, :half].to(q.dtype), cs[:, half:].to(q.dtype)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+class FlashInferRope:
+    name = "flashinfer"
+
+    def __init__(self, head_dim: int, rotary_dim: int, cos_sin_cache: torch.Tensor):
+        import flashinfer.rope as fr
+        self._fn = fr.apply_rope_with_cos_sin_cache_inplace
+        self.head_dim = head_dim
+        self.cache = cos_sin_cache.float().contiguous()
+
+    def apply(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        self._fn(positions, q, k, self.head_dim, self.cache, is_neox=True)
+        return q, k
+
+
+# --- SiLU and mul ------------------------------------------------------------------------------
+
+class TorchActivation:
+    name = "torch"
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(x[:, :d]) * x[:, d:]``: the gate is the first half."""
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+
+class FlashInferActivation:
+    name = "flashinfer"
+
+    def __init__(self):
+        from flashinfer.activation import silu_and_mul
+        self._fn = silu_and_mul
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fn(x)

@@ -1,0 +1,1 @@
+"""Mixture-of-experts: routing and the expert computation backends."""

@@ -1,0 +1,13 @@
+"""The operators moeserve dispatches and the backend names each accepts (no heavy imports here)."""
+
+OPERATORS = ("attention", "moe", "linear", "sampling", "norm", "rope", "activation")
+
+BACKEND_NAMES: dict[str, tuple[str, ...]] = {
+    "attention": ("flashinfer", "torch"),
+    "moe": ("flashinfer", "triton", "torch"),
+    "linear": ("flashinfer", "torch"),
+    "sampling": ("flashinfer", "torch"),
+    "norm": ("flashinfer", "torch"),
+    "rope": ("flashinfer", "torch"),
+    "activation": ("flashinfer", "torch"),
+}

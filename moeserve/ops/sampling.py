@@ -1,0 +1,142 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeds.
+
+Both samplers take float32 logits ``[B, V]`` and a ``SamplingBatch`` with one row of parameters per
+request. Filters apply in vLLM's order: temperature, then top-k, then top-p, then min-p.
+
+Seeds: a request with a seed draws from its own random stream, so its tokens do not depend on which
+other requests share the batch. FlashInfer's kernels take one Philox seed per launch and derive each
+row's stream from the row index, so the FlashInfer sampler launches seeded rows one at a time (with the
+request's seed and its token count as the Philox offset) and all unseeded rows together.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.ops import flashinfer_env  # noqa: F401
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [B] float32, 0 for greedy rows
+    top_k: torch.Tensor  # [B] int32, 0 = no limit
+    top_p: torch.Tensor  # [B] float32, 1 = no limit
+    min_p: torch.Tensor  # [B] float32, 0 = no limit
+    greedy: list[bool]
+    seeds: list[int | None]
+    steps: list[int]  # tokens generated so far by each request: the offset of its seeded stream
+    generators: list[torch.Generator | None]  # per-request torch generators (torch sampler, seeded rows)
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(self.greedy)
+
+
+def _filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) what top-k, then top-p, then min-p exclude; rows are independent."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab).to(torch.int64)
+    remove = ranks >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # top-p keeps the smallest prefix whose mass reaches p (always at least one token)
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove = remove | (mass_before >= top_p[:, None])
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    # min-p against the renormalised distribution that survives top-k/top-p
+    probs = sorted_logits.softmax(dim=-1)
+    remove = remove | (probs < min_p[:, None] * probs[:, :1])
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+class TorchSampler:
+    """Reference sampler: sort-based filters and ``torch.multinomial``."""
+
+    name = "torch"
+
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        return g
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy_tokens = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            return greedy_tokens
+        temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
+        filtered = _filter_logits(logits / temp[:, None], batch.top_k, batch.top_p, batch.min_p)
+        probs = filtered.softmax(dim=-1)
+        out = greedy_tokens.clone()
+        for i, is_greedy in enumerate(batch.greedy):
+            if is_greedy:
+                continue
+            g = batch.generators[i] if batch.generators[i] is not None else self.generator
+            out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+        return out
+
+
+class FlashInferSampler:
+    """FlashInfer's sorting-free rejection samplers, with per-row top-k/top-p/min-p tensors."""
+
+    name = "flashinfer"
+
+    def __init__(self, device: torch.device, seed: int = 0):
+        import flashinfer.sampling as fs
+        self.fs = fs
+        self.device = device
+        self._rng = torch.Generator(device="cpu")
+        self._rng.manual_seed(seed)
+
+    def make_generator(self, seed: int) -> None:
+        return None  # seeded rows use (seed, offset) Philox streams, not generators
+
+    def _sample_rows(self, probs, top_k, top_p, min_p, seed: int, offset: int) -> torch.Tensor:
+        fs = self.fs
+        seed_t = torch.tensor([seed], dtype=torch.int64, device=self.device)
+        off_t = torch.tensor([offset], dtype=torch.int64, device=self.device)
+        use_k = bool((top_k > 0).any())
+        use_p = bool((top_p < 1).any())
+        use_min = bool((min_p > 0).any())
+        vocab = probs.shape[-1]
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).to(torch.int32)
+        if use_min:
+            if use_k:
+                probs = fs.top_k_renorm_probs(probs, k)
+            if use_p:
+                probs = fs.top_p_renorm_probs(probs, top_p)
+            return fs.min_p_sampling_from_probs(probs, min_p, seed=seed_t, offset=off_t)
+        if use_k or use_p:
+            return fs.top_k_top_p_sampling_from_probs(probs, k, top_p, seed=seed_t, offset=off_t)
+        return fs.sampling_from_probs(probs, seed=seed_t, offset=off_t)
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy_tokens = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            return greedy_tokens
+        temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
+        probs = self.fs.softmax(logits, temperature=temp)
+        out = greedy_tokens.clone()
+        sampled = [i for i, g in enumerate(batch.greedy) if not g]
+        unseeded = [i for i in sampled if batch.seeds[i] is None]
+        if unseeded:
+            idx = torch.tensor(unseeded, device=self.device)
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
+            out[idx] = self._sample_rows(probs[idx], batch.top_k[idx], batch.top_p[idx], batch.min_p[idx],
+                                         seed, 0).to(out.dtype)
+        for i in sampled:
+            if batch.seeds[i] is not None:
+                sl = slice(i, i + 1)
+                out[sl] = self._sample_rows(probs[sl], batch.top_k[sl], batch.top_p[sl], batch.min_p[sl],
+                                            batch.seeds[i], 4 * batch.steps[i]).to(out.dtype)
+        return out

@@ -1,0 +1,46 @@
+"""Small random Hugging Face MoE checkpoints, written with transformers' own classes, for the tests."""
+from __future__ import annotations
+
+import torch
+
+QWEN2_MOE = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    shared_expert_intermediate_size=80, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+    num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1],
+    max_position_embeddings=512, initializer_range=0.1, rope_theta=10000.0,
+)
+QWEN3_MOE = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=3,
+    norm_topk_prob=True, max_position_embeddings=512, initializer_range=0.1, rope_theta=10000.0,
+)
+
+
+def make_checkpoint(kind: str, path, seed: int = 0, **overrides):
+    """Save a random ``Qwen2MoeForCausalLM`` or ``Qwen3MoeForCausalLM`` to ``path``; return the HF model."""
+    import transformers
+    torch.manual_seed(seed)
+    if kind == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(**{**QWEN2_MOE, **overrides})
+        model = transformers.Qwen2MoeForCausalLM(cfg)
+    elif kind == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**{**QWEN3_MOE, **overrides})
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    model = model.float().eval()
+    model.save_pretrained(path)
+    return model
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                         attention_mask=torch.ones_like(ids), pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    return model(torch.tensor([tokens])).logits[0].float()
