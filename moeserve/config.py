@@ -40,14 +40,14 @@ class BackendConfig(_Strict):
     rope: str = "auto"
     activation: str = "auto"
 
-    @model_validator(mode="after")
-    def _known(self):
-        for op in OPERATORS:
-            name = getattr(self, op)
-            allowed = ("auto",) + BACKEND_NAMES[op]
-            if name not in allowed:
-                raise ValueError(f"{op}: {name!r} is not a {op} backend; choose one of {', '.join(sorted(allowed))}")
-        return self
+    @field_validator(*OPERATORS)
+    @classmethod
+    def _known(cls, name: str, info):
+        op = info.field_name
+        allowed = ("auto",) + BACKEND_NAMES[op]
+        if name not in allowed:
+            raise ValueError(f"{name!r} is not a {op} backend; choose one of {', '.join(sorted(allowed))}")
+        return name
 
 
 class VllmBaselineConfig(_Strict):
@@ -108,6 +108,9 @@ class EngineConfig(_Strict):
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     kv_cache_gb: float | None = Field(None, gt=0)
     num_kv_pages: int | None = Field(None, ge=1)
+
+    # A FlashInfer kernel cache made by `moeserve precompile` (used as FLASHINFER_WORKSPACE_BASE).
+    kernel_cache_dir: str | None = None
 
     cuda_graph_batch_sizes: list[int] | None = None
     enforce_eager: bool = False

@@ -51,6 +51,10 @@ class ModelRunner:
             raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
                              f"({arch.max_position_embeddings})")
 
+        self.kernel_cache = None
+        if cfg.kernel_cache_dir is not None:
+            from moeserve.kernels import use_kernel_cache
+            self.kernel_cache = use_kernel_cache(cfg.kernel_cache_dir, hw)
         specs = {op: registry.resolve(op, getattr(cfg.backends, op), hw, self.device, self.dtype, cfg.quantization)
                  for op in ("attention", "moe", "linear", "sampling", "norm", "rope", "activation")}
         self.backend_names = {op: s.name for op, s in specs.items()}
@@ -80,6 +84,8 @@ class ModelRunner:
         for block in self.model.moe_blocks():
             self.ops.moe.prepare(block)
         self.load_format = "dummy" if use_dummy else "safetensors"
+        if cfg.torch_compile:
+            self._compile_mlps()
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.load_seconds = time.perf_counter() - t0
 
@@ -100,6 +106,14 @@ class ModelRunner:
         self.init_seconds = time.perf_counter() - t_start
 
     # --- set-up --------------------------------------------------------------------------------
+    def _compile_mlps(self) -> None:
+        """torch.compile each layer's MLP/MoE block (router, routing, shared expert, residual maths).
+
+        Attention stays outside: FlashInfer's ops are not registered with torch.library, and ``plan()``
+        must run on the host between steps. Dynamic shapes keep one compiled graph for every batch size.
+        """
+        for layer in self.model.layers:
+            layer.mlp = torch.compile(layer.mlp, dynamic=True)
     def _make_attention(self, kv: KVCache):
         a = self.arch
         return self._attn_cls(kv, a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim ** -0.5, self.device,
@@ -176,6 +190,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         self.graph_capture_seconds = time.perf_counter() - t0
         self.graph_memory_bytes = max(0, free0 - torch.cuda.mem_get_info(self.device)[0])
+        log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s; they hold %.0f MiB",
+                 len(self.graphs.sizes), self.graphs.sizes, self.graph_capture_seconds, self.graph_memory_bytes / 2**20)
 
     # --- a step --------------------------------------------------------------------------------
     def sampling_batch(self, items: list[ScheduledSeq]) -> SamplingBatch:

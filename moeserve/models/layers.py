@@ -244,4 +244,5 @@ class MoECausalLM(nn.Module):
         return e
 
     def moe_blocks(self) -> list[SparseMoE]:
-        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+        blocks = [getattr(layer.mlp, "_orig_mod", layer.mlp) for layer in self.layers]
+        return [b for b in blocks if isinstance(b, SparseMoE)]

@@ -109,8 +109,6 @@ def check(spec: BackendSpec, hw: HardwareInfo, device: torch.device, dtype: torc
     n = spec.needs
     if n.quantization is not None and quantization not in n.quantization:
         return f"serves only {'/'.join(n.quantization)} weights (quantization is {quantization})"
-    if n.dtypes is not None and dtype not in n.dtypes:
-        return f"serves only {'/'.join(str(d).removeprefix('torch.') for d in n.dtypes)}, not {str(dtype).removeprefix('torch.')}"
     if n.cuda:
         if device.type != "cuda":
             return "needs a CUDA GPU" + ("" if hw.gpu else "; this machine has none")
@@ -121,6 +119,8 @@ def check(spec: BackendSpec, hw: HardwareInfo, device: torch.device, dtype: torc
             return f"not on this GPU: needs {_sm(n.min_capability)} or newer; this GPU is {_sm(cc)}"
         if dtype == torch.bfloat16 and cc < n.bf16_min_capability:
             return f"not on this GPU: bfloat16 needs {_sm(n.bf16_min_capability)}; this GPU is {_sm(cc)}"
+    if n.dtypes is not None and dtype not in n.dtypes:
+        return f"serves only {'/'.join(str(d).removeprefix('torch.') for d in n.dtypes)}, not {str(dtype).removeprefix('torch.')}"
     missing = [p for p in n.packages if not _installed(p)]
     if missing:
         return f"not installed: {', '.join(missing)}"

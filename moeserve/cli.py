@@ -1,0 +1,150 @@
+"""``moeserve env | generate | bench | compare | serve | precompile | install-kernels``.
+
+Every command that builds an engine takes ``--config FILE`` (YAML) and flags that override its fields;
+``--set a.b=value`` overrides any field, ``--backend op=name`` picks an operator backend.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from moeserve.config import ConfigError, EngineConfig, load_config, parse_override
+
+# (flag, config field, type) for the fields most runs touch; anything else goes through --set.
+CONFIG_FLAGS = [
+    ("--model", "model", str), ("--weights-dir", "weights_dir", str), ("--load-format", "load_format", str),
+    ("--dtype", "dtype", str), ("--device", "device", str), ("--gpu-arch", "gpu_arch", str),
+    ("--quantization", "quantization", str), ("--seed", "seed", int),
+    ("--max-num-seqs", "max_num_seqs", int), ("--max-num-batched-tokens", "max_num_batched_tokens", int),
+    ("--max-model-len", "max_model_len", int), ("--page-size", "page_size", int),
+    ("--gpu-memory-utilization", "gpu_memory_utilization", float), ("--kv-cache-gb", "kv_cache_gb", float),
+    ("--num-kv-pages", "num_kv_pages", int),
+]
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine configuration (flags override the YAML file)")
+    g.add_argument("--config", "-c", help="YAML config file")
+    for flag, field, typ in CONFIG_FLAGS:
+        g.add_argument(flag, dest=f"cfg_{field}", type=typ, default=None, metavar=field.upper())
+    g.add_argument("--enforce-eager", action="store_true", default=None, dest="cfg_enforce_eager",
+                   help="no CUDA graphs")
+    g.add_argument("--cuda-graph-batch-sizes", type=int, nargs="*", dest="cfg_cuda_graph_batch_sizes",
+                   metavar="N", help="decode batch sizes to capture")
+    g.add_argument("--backend", action="append", default=[], metavar="OP=NAME",
+                   help="operator backend, e.g. --backend moe=triton (attention, moe, linear, sampling, norm, rope, activation)")
+    g.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override any config field, e.g. --set bench.runs=5")
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    overrides = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg_") and v is not None}
+    for item in args.backend:
+        key, value = parse_override(item)
+        overrides[f"backends.{key}"] = value
+    for item in args.set:
+        key, value = parse_override(item)
+        overrides[key] = value
+    return load_config(args.config, overrides)
+
+
+def _cmd_env(args) -> int:
+    from moeserve.env_report import print_env
+    return print_env(args)
+
+
+def _cmd_generate(args) -> int:
+    from moeserve import LLM, SamplingParams
+    cfg = config_from_args(args)
+    llm = LLM(config=cfg)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, min_p=args.min_p, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+    prompts = list(args.prompt)
+    for ids in args.prompt_token_ids:
+        prompts.append({"prompt_token_ids": [int(t) for t in ids.split(",") if t.strip()]})
+    if not prompts:
+        print("generate: give --prompt TEXT or --prompt-token-ids 1,2,3", file=sys.stderr)
+        return 2
+    outs = llm.generate(prompts, params)
+    rows = [{"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids, "token_ids": o.outputs[0].token_ids,
+             "text": o.outputs[0].text, "finish_reason": o.outputs[0].finish_reason} for o in outs]
+    if args.json:
+        print(json.dumps({"backends": llm.engine.runner.backend_names, "outputs": rows}, indent=2))
+    else:
+        for r in rows:
+            shown = r["text"] if r["text"] else r["token_ids"]
+            print(f"{r['prompt'] if r['prompt'] is not None else r['prompt_token_ids']!r} -> {shown!r} "
+                  f"({r['finish_reason']})")
+    return 0
+
+
+def _subcommand_modules():
+    """Subcommands that live with their feature: (name, module, help)."""
+    return [
+        ("bench", "moeserve.bench.cli", "benchmark moeserve (and vLLM) on the configured model"),
+        ("compare", "moeserve.bench.cli_compare", "print two benchmark result files side by side"),
+        ("serve", "moeserve.server.cli", "OpenAI-compatible HTTP server"),
+        ("precompile", "moeserve.kernels", "build the FlashInfer kernels this config will load, ahead of time"),
+        ("install-kernels", "moeserve.kernels", "install FlashInfer's pre-built kernel packages for this GPU"),
+    ]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+    p = argparse.ArgumentParser(prog="moeserve", description=__doc__.split("\n")[0])
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    e = sub.add_parser("env", help="GPUs, versions and which kernels this machine can run")
+    add_config_args(e)
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=_cmd_env)
+
+    g = sub.add_parser("generate", help="generate from prompts with the offline API")
+    add_config_args(g)
+    g.add_argument("--prompt", action="append", default=[], help="a text prompt (needs a tokenizer); repeatable")
+    g.add_argument("--prompt-token-ids", action="append", default=[], metavar="1,2,3", help="a token-id prompt; repeatable")
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(func=_cmd_generate)
+
+    for name, module, help_text in _subcommand_modules():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            if err.name and err.name.startswith("moeserve"):
+                continue  # feature not part of this build
+            raise
+        mod.register(sub, name, help_text)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args) or 0
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except (ValueError, RuntimeError, NotImplementedError) as e:
+        from moeserve.ops.registry import BackendUnavailable
+        from moeserve.engine.engine import RequestError
+        if isinstance(e, (BackendUnavailable, RequestError, NotImplementedError)) or type(e) is ValueError:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

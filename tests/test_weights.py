@@ -1,0 +1,76 @@
+"""Checkpoint loading: sharded checkpoints, stacked expert tensors, and errors that name the tensor."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hf_models import hf_greedy, make_checkpoint
+from moeserve import LLM, SamplingParams
+from moeserve.weights import WeightError
+
+PROMPT = [3, 14, 15, 92, 65, 35]
+
+
+def greedy(path):
+    llm = LLM(model=str(path), dtype="float32")
+    return llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids
+
+
+def test_sharded_checkpoint_with_index(tmp_path):
+    hf = make_checkpoint("qwen2_moe", tmp_path / "one")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    assert greedy(tmp_path / "sharded") == hf_greedy(hf, PROMPT, 6)
+
+
+def test_stacked_expert_tensors(tmp_path):
+    hf = make_checkpoint("qwen3_moe", tmp_path)
+    path = tmp_path / "model.safetensors"
+    sd = load_file(path)
+    for layer in range(hf.config.num_hidden_layers):
+        p = f"model.layers.{layer}.mlp.experts"
+        e = hf.config.num_experts
+        gate_up = torch.stack([torch.cat([sd.pop(f"{p}.{x}.gate_proj.weight"), sd.pop(f"{p}.{x}.up_proj.weight")])
+                               for x in range(e)])
+        down = torch.stack([sd.pop(f"{p}.{x}.down_proj.weight") for x in range(e)])
+        sd[f"{p}.gate_up_proj"], sd[f"{p}.down_proj"] = gate_up, down
+    save_file(sd, path)
+    assert greedy(tmp_path) == hf_greedy(hf, PROMPT, 6)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    make_checkpoint("qwen2_moe", tmp_path)
+    path = tmp_path / "model.safetensors"
+    sd = load_file(path)
+    del sd["model.layers.1.self_attn.k_proj.weight"]
+    save_file(sd, path)
+    with pytest.raises(WeightError, match=r"lacks 1 tensor\(s\) the model needs: model.layers.1.self_attn.k_proj.weight"):
+        LLM(model=str(tmp_path))
+
+
+def test_misshaped_tensor_is_named(tmp_path):
+    make_checkpoint("qwen3_moe", tmp_path)
+    path = tmp_path / "model.safetensors"
+    sd = load_file(path)
+    sd["model.layers.0.mlp.experts.3.up_proj.weight"] = torch.zeros(7, 64)
+    save_file(sd, path)
+    with pytest.raises(WeightError, match=r"'model.layers.0.mlp.experts.3.up_proj.weight' has shape \[7, 64\] but the "
+                                          r"model \(qwen3_moe\) expects \[32, 64\]"):
+        LLM(model=str(tmp_path))
+
+
+def test_index_naming_absent_shard(tmp_path):
+    make_checkpoint("qwen2_moe", tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "missing.safetensors"}}))
+    with pytest.raises(WeightError, match="missing.safetensors"):
+        LLM(model=str(tmp_path))
+
+
+def test_load_format_safetensors_without_weights(tmp_path):
+    make_checkpoint("qwen2_moe", tmp_path / "c")
+    (tmp_path / "config.json").write_text((tmp_path / "c" / "config.json").read_text())
+    with pytest.raises(ValueError, match="load_format: 'safetensors' but model"):
+        LLM(model=str(tmp_path), load_format="safetensors")
+    assert LLM(model=str(tmp_path)).engine.runner.load_format == "dummy"
