@@ -1,0 +1,315 @@
+"""Fused mixture-of-experts in Triton: token alignment, a grouped GEMM kernel in the style of vLLM's
+``fused_moe_kernel``, and SiLU-and-mul, composed by :func:`fused_moe`.
+
+Every launch here is free of host synchronisation, so :func:`fused_moe` can be captured in a CUDA graph
+for a fixed number of tokens.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_configs import get_config
+
+__all__ = ["moe_align_block_size", "fused_moe", "fused_moe_warmup", "invoke_fused_moe_kernel"]
+
+_META_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M")
+_ALIGN_SINGLE_CHUNK_LIMIT = 1024
+_ALIGN_MAX_CHUNKS = 64
+
+
+@triton.jit
+def _expert_histogram(ids_ptr, start, stop, E, E_PAD: tl.constexpr, TILE: tl.constexpr):
+    """Token count per expert over ``ids[start:stop]`` as an ``[E_PAD]`` int32 vector."""
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for off in range(start, stop, TILE):
+        idx = off + tl.arange(0, TILE)
+        e = tl.load(ids_ptr + idx, mask=idx < stop, other=-1).to(tl.int32)
+        e = tl.where((e >= 0) & (e < E), e, -1)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    return counts
+
+
+@triton.jit(do_not_specialize=["numel", "chunk"])
+def _moe_count_kernel(ids_ptr, hist_ptr, numel, chunk, E, E_PAD: tl.constexpr, TILE: tl.constexpr):
+    """Per-chunk expert histogram: ``hist[pid, e]`` = tokens of chunk ``pid`` routed to expert ``e``."""
+    pid = tl.program_id(0)
+    start = pid * chunk
+    stop = tl.minimum(numel, start + chunk)
+    counts = _expert_histogram(ids_ptr, start, stop, E, E_PAD, TILE)
+    experts = tl.arange(0, E_PAD)
+    tl.store(hist_ptr + pid * E + experts, counts, mask=experts < E)
+
+
+@triton.jit(do_not_specialize=["numel", "chunk", "num_chunks", "block_m", "num_blocks"])
+def _moe_align_kernel(ids_ptr, hist_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, numel, chunk, num_chunks, E,
+                      block_m, num_blocks, E_PAD: tl.constexpr, NC_PAD: tl.constexpr, TILE: tl.constexpr,
+                      FUSED_COUNT: tl.constexpr):
+    """Scatter chunk ``pid`` of the flat routing into expert-sorted, block-padded order.
+
+    Every program derives the padded per-expert layout from the histogram (or counts the whole routing
+    itself when ``FUSED_COUNT``, which requires a single chunk), writes its share of the block-to-expert
+    map, and places each of its tokens at ``start[e] + (tokens of e before it)``.
+    """
+    pid = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    if FUSED_COUNT:
+        counts = _expert_histogram(ids_ptr, 0, numel, E, E_PAD, TILE)
+        before = tl.zeros([E_PAD], dtype=tl.int32)
+    else:
+        rows = tl.arange(0, NC_PAD)
+        hist = tl.load(hist_ptr + rows[:, None] * E + experts[None, :],
+                       mask=(rows[:, None] < num_chunks) & (experts[None, :] < E), other=0)
+        counts = tl.sum(hist, axis=0)
+        before = tl.sum(tl.where(rows[:, None] < pid, hist, 0), axis=0)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    if pid == 0:
+        tl.store(ntpp_ptr, total)
+
+    for b0 in range(pid * TILE, num_blocks, num_chunks * TILE):
+        blocks = b0 + tl.arange(0, TILE)
+        first = blocks * block_m
+        owner = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        owner = tl.where(first < total, owner, -1)
+        tl.store(expert_ids_ptr + blocks, owner, mask=blocks < num_blocks)
+
+    base = ends - padded + before
+    lower = tl.arange(0, TILE)[:, None] > tl.arange(0, TILE)[None, :]
+    start = pid * chunk
+    stop = tl.minimum(numel, start + chunk)
+    for off in range(start, stop, TILE):
+        idx = off + tl.arange(0, TILE)
+        e = tl.load(ids_ptr + idx, mask=idx < stop, other=-1).to(tl.int32)
+        e = tl.where((e >= 0) & (e < E), e, -1)
+        onehot = e[:, None] == experts[None, :]
+        pos = tl.sum(tl.where(onehot, base[None, :], 0), axis=1)
+        rank = tl.sum(((e[:, None] == e[None, :]) & lower).to(tl.int32), axis=1)
+        tl.store(sorted_ptr + pos + rank, idx, mask=e >= 0)
+        base += tl.sum(onehot.to(tl.int32), axis=0)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
+                         num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the flat routing ``topk_ids.flatten()`` by expert, each expert padded to a multiple of ``block_m``.
+
+    Returns ``(sorted_token_ids, expert_ids, num_tokens_post_padded)``: ``sorted_token_ids`` is
+    ``[numel + num_experts * (block_m - 1)]`` int32 of flat indices, padding set to ``numel``; ``expert_ids``
+    is ``[len(sorted_token_ids) // block_m]`` int32, the expert of each block (``-1`` past the end);
+    ``num_tokens_post_padded`` is a ``[1]`` int32 device tensor. No host synchronisation.
+    """
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    numel = ids.numel()
+    device = ids.device
+    max_padded = numel + num_experts * (block_m - 1)
+    num_blocks = max_padded // block_m
+    sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=device)
+    expert_ids = torch.empty((num_blocks,), dtype=torch.int32, device=device)
+    ntpp = torch.empty((1,), dtype=torch.int32, device=device)
+    e_pad = triton.next_power_of_2(max(num_experts, 2))
+    tile = max(16, min(64, 4096 // e_pad))
+    fused_count = numel <= _ALIGN_SINGLE_CHUNK_LIMIT
+    if fused_count:
+        chunk, num_chunks, hist = max(numel, 1), 1, ntpp
+    else:
+        chunk = triton.cdiv(triton.cdiv(numel, _ALIGN_MAX_CHUNKS), tile) * tile
+        num_chunks = triton.cdiv(numel, chunk)
+        hist = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
+        _moe_count_kernel[(num_chunks,)](ids, hist, numel, chunk, num_experts, E_PAD=e_pad, TILE=tile,
+                                         num_warps=4)
+    _moe_align_kernel[(num_chunks,)](ids, hist, sorted_ids, expert_ids, ntpp, numel, chunk, num_chunks,
+                                     num_experts, block_m, num_blocks, E_PAD=e_pad,
+                                     NC_PAD=triton.next_power_of_2(num_chunks), TILE=tile,
+                                     FUSED_COUNT=fused_count, num_warps=4)
+    return sorted_ids, expert_ids, ntpp
+
+
+@triton.jit(do_not_specialize=["EM", "num_valid_tokens", "top_k"])
+def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
+                     num_tokens_post_padded_ptr, N, K, EM, num_valid_tokens, top_k,
+                     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+                     GROUP_SIZE_M: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
+                     IEEE_FP32: tl.constexpr):
+    """Grouped GEMM ``C[s, :] = A[s // top_k, :] @ B[expert(s)]^T`` over expert-sorted rows ``s``.
+
+    ``A`` is ``[*, K]``, ``B`` is ``[E, N, K]``, ``C`` is ``[num_valid_tokens, N]``. Rows come from
+    ``sorted_token_ids`` in blocks of ``BLOCK_SIZE_M`` sharing one expert; padded rows
+    (``>= num_valid_tokens``) are skipped. With ``MUL_ROUTED_WEIGHT`` each row is scaled by
+    ``topk_weights[s]`` in fp32 before the cast to ``C``'s dtype. ``EM`` bounds the padded row count.
+    """
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(EM, BLOCK_SIZE_M)
+    num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
+    num_pid_in_group = GROUP_SIZE_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_SIZE_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_SIZE_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    num_tokens_post_padded = tl.load(num_tokens_post_padded_ptr)
+    if pid_m * BLOCK_SIZE_M >= num_tokens_post_padded:
+        return
+    offs_token_id = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
+    offs_token = tl.load(sorted_token_ids_ptr + offs_token_id).to(tl.int64)
+    token_mask = offs_token < num_valid_tokens
+    off_expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+
+    offs_bn = (pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N).to(tl.int64)) % N
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    a_ptrs = a_ptr + (offs_token[:, None] // top_k * stride_am + offs_k[None, :] * stride_ak)
+    b_ptrs = b_ptr + off_expert * stride_be + (offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn)
+
+    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=token_mask[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k * BLOCK_SIZE_K
+            a = tl.load(a_ptrs, mask=token_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if IEEE_FP32:
+            acc = tl.dot(a, b, acc=acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc=acc)
+        a_ptrs += BLOCK_SIZE_K * stride_ak
+        b_ptrs += BLOCK_SIZE_K * stride_bk
+
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_weights_ptr + offs_token, mask=token_mask, other=0.0)
+        acc = acc * w[:, None]
+    offs_cn = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    c_ptrs = c_ptr + offs_token[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=token_mask[:, None] & (offs_cn[None, :] < N))
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_out, BLOCK: tl.constexpr):
+    """``out[r, :] = silu(x[r, :I]) * x[r, I:2I]``, computed in fp32."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_params(config: dict) -> tuple[dict, dict]:
+    meta = {k: int(config[k]) for k in _META_KEYS}
+    opts = {"num_warps": int(config.get("num_warps", 4)), "num_stages": int(config.get("num_stages", 3))}
+    return meta, opts
+
+
+def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor | None,
+                            sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
+                            num_tokens_post_padded: torch.Tensor, top_k: int, config: dict,
+                            max_padded_rows: int | None = None, warmup: bool = False):
+    """Launch (or, with ``warmup``, only compile) :func:`fused_moe_kernel` for ``c = a[rows // top_k] @ b[e]^T``.
+
+    ``c`` is ``[rows, N]`` with ``rows = len(topk_ids.flatten())``; ``topk_weights`` (flat fp32, ``[rows]``)
+    enables routed-weight scaling. ``max_padded_rows`` is an upper bound on ``num_tokens_post_padded``
+    that shrinks the grid (defaults to ``len(sorted_token_ids)``).
+    """
+    meta, opts = _launch_params(config)
+    num_valid, n = c.shape
+    k = b.shape[2]
+    em = sorted_token_ids.shape[0] if max_padded_rows is None else min(max_padded_rows, sorted_token_ids.shape[0])
+    grid = (triton.cdiv(em, meta["BLOCK_SIZE_M"]) * triton.cdiv(n, meta["BLOCK_SIZE_N"]),)
+    mul_w = topk_weights is not None
+    args = (a, b, c, topk_weights if mul_w else c, sorted_token_ids, expert_ids, num_tokens_post_padded, n, k,
+            em, num_valid, top_k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
+            c.stride(0), c.stride(1))
+    kwargs = dict(meta, MUL_ROUTED_WEIGHT=mul_w, EVEN_K=k % meta["BLOCK_SIZE_K"] == 0,
+                  IEEE_FP32=a.dtype == torch.float32, **opts)
+    if warmup:
+        return fused_moe_kernel.warmup(*args, grid=grid, **kwargs)
+    return fused_moe_kernel[grid](*args, **kwargs)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(x[:, :I]) * x[:, I:]`` for ``x`` of shape ``[R, 2I]``, returned as ``[R, I]`` in ``x.dtype``."""
+    rows, two_i = x.shape
+    inter = two_i // 2
+    if out is None:
+        out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0),
+                                                                BLOCK=block, num_warps=4)
+    return out
+
+
+def _check_inputs(x, w13, w2, topk_weights, topk_ids):
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"fused_moe supports bf16/fp16/fp32 activations, got {x.dtype}")
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise TypeError(f"weights must match activations ({x.dtype}); got {w13.dtype}, {w2.dtype}")
+    t, h = x.shape
+    e, two_i, h13 = w13.shape
+    if h13 != h or w2.shape != (e, h, two_i // 2) or two_i % 2:
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != t:
+        raise ValueError(f"routing shape mismatch: ids {tuple(topk_ids.shape)}, weights {tuple(topk_weights.shape)}")
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Mixture-of-experts SwiGLU MLP: ``sum_j w[t,j] * w2[e] @ (silu(gate_e x_t) * up_e x_t)``, ``e = ids[t,j]``.
+
+    ``x`` ``[T, H]``; ``w13`` ``[E, 2I, H]`` (gate rows ``[0, I)``, up rows ``[I, 2I)``); ``w2`` ``[E, H, I]``;
+    ``topk_weights`` ``[T, k]`` fp32; ``topk_ids`` ``[T, k]`` int32/int64. Returns ``[T, H]`` in ``x.dtype``
+    (written into ``out`` when given). ``config`` holds the Triton tile parameters; ``None`` selects one with
+    :func:`get_config`. GEMMs accumulate in fp32; no host synchronisation.
+    """
+    _check_inputs(x, w13, w2, topk_weights, topk_ids)
+    t, h = x.shape
+    e, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    if out is None:
+        out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    if config is None:
+        config, _ = get_config(t, e, inter, h, top_k, x.dtype)
+    rows = t * top_k
+    block_m = int(config["BLOCK_SIZE_M"])
+    max_rows = rows + min(rows, e) * (block_m - 1)
+    sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, block_m, e)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+
+    gate_up = torch.empty((rows, two_i), dtype=x.dtype, device=x.device)
+    invoke_fused_moe_kernel(x, w13, gate_up, None, sorted_ids, expert_ids, ntpp, top_k, config, max_rows)
+    act = silu_and_mul(gate_up)
+    down = torch.empty((rows, h), dtype=x.dtype, device=x.device)
+    invoke_fused_moe_kernel(act, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, config, max_rows)
+    return torch.sum(down.view(t, top_k, h), dim=1, out=out)
+
+
+def fused_moe_warmup(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, config: dict):
+    """Compile (without launching) both GEMM variants :func:`fused_moe` uses for these shapes and ``config``.
+
+    Returns the two compiled kernels (``FutureKernel`` objects inside ``triton.AsyncCompileMode``).
+    """
+    t, h = x.shape
+    e, two_i, _ = w13.shape
+    rows = max(t * top_k, 1)
+    dev = x.device
+    sorted_ids = torch.zeros((rows,), dtype=torch.int32, device=dev)
+    expert_ids = torch.zeros((1,), dtype=torch.int32, device=dev)
+    ntpp = torch.zeros((1,), dtype=torch.int32, device=dev)
+    weights = torch.zeros((rows,), dtype=torch.float32, device=dev)
+    gate_up = torch.empty((rows, two_i), dtype=x.dtype, device=dev)
+    act = torch.empty((rows, two_i // 2), dtype=x.dtype, device=dev)
+    down = torch.empty((rows, h), dtype=x.dtype, device=dev)
+    k1 = invoke_fused_moe_kernel(x, w13, gate_up, None, sorted_ids, expert_ids, ntpp, top_k, config, warmup=True)
+    k2 = invoke_fused_moe_kernel(act, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, config, warmup=True)
+    return k1, k2
