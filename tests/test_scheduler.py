@@ -108,3 +108,23 @@ def test_abort_returns_pages():
     s.abort(a)
     s.abort(b)
     assert a.finish_reason == "abort" and pool.num_free == pool.capacity and not s.has_unfinished()
+
+
+def test_batch_builder_marks_only_sampling_rows():
+    """A one-token prompt chunk that does not finish its prompt must not produce logits."""
+    import torch
+
+    from moeserve.engine.batch import BatchBuilder
+    from moeserve.engine.scheduler import ScheduledSeq
+    pool = PagePool(32, 4)
+    a, b = seq(0, 9), seq(1, 3)
+    for s in (a, b):
+        s.pages = pool.allocate(pool.pages_for(s.num_tokens))
+    b.output_token_ids = [5]
+    items = [ScheduledSeq(a, 4, 1), ScheduledSeq(b, 3, 1)]  # a: chunk of its prompt; b: a decode
+    batch = BatchBuilder(4, 64, 8, 64, torch.device("cpu")).build(items)
+    assert batch.logits_indices.tolist() == [1]
+    assert batch.input_ids.tolist() == [5, 5] and batch.positions.tolist() == [4, 3]
+    assert not batch.attn.is_decode or all(i.start > 0 for i in items)
+    assert batch.attn.slot_mapping.tolist() == [a.pages[1] * 4 + 0, b.pages[0] * 4 + 3]
+    assert batch.attn.kv_last_page_len.tolist() == [1, 4]

@@ -34,6 +34,31 @@ class BatchBuilder:
         self.dev = torch.zeros(cap, dtype=torch.int32, device=device) if pin else None
 
     def build(self, items: list[ScheduledSeq], pad_to: int | None = None) -> StepBatch:
+        if all(it.num_tokens == 1 for it in items):
+            fields = self._single_token_fields(items)
+        else:
+            fields = self._chunk_fields(items)
+        return self._finish(items, fields, pad_to)
+
+    def _single_token_fields(self, items: list[ScheduledSeq]):
+        """Decode steps: one token per request, built with plain lists (cheaper than numpy at this size)."""
+        ps = self.page_size
+        ids, pos, slots, qo, kvp, indices, last = [], [], [], [0], [0], [], []
+        for b, it in enumerate(items):
+            s, p = it.seq, it.start
+            ids.append(s.token_slice(p, p + 1)[0])
+            pos.append(p)
+            npages = p // ps + 1
+            pages = s.pages[:npages]
+            slots.append(pages[-1] * ps + p % ps)
+            qo.append(b + 1)
+            kvp.append(kvp[-1] + npages)
+            indices.extend(pages)
+            last.append(p + 1 - (npages - 1) * ps)
+        logit_idx = [b for b, it in enumerate(items) if it.samples]
+        return ids, pos, slots, list(range(len(items))), qo, kvp, last, indices, logit_idx
+
+    def _chunk_fields(self, items: list[ScheduledSeq]):
         ps = self.page_size
         ids, pos, slots, bidx, qo, kvp, indices, last, logit_idx = [], [], [], [], [0], [0], [], [], []
         for b, it in enumerate(items):
@@ -52,25 +77,27 @@ class BatchBuilder:
             last.append(end - (npages - 1) * ps)
             if it.samples:
                 logit_idx.append(qo[-1] - 1)
+        cat = lambda xs: np.concatenate(xs).tolist() if xs else []  # noqa: E731
+        return cat(ids), cat(pos), cat(slots), cat(bidx), qo, kvp, last, cat(indices), logit_idx
+
+    def _finish(self, items, fields, pad_to) -> StepBatch:
+        ids, pos, slots, bidx, qo, kvp, last, indices, logit_idx = fields
         num_real, seq_lens = len(items), [it.start + it.num_tokens for it in items]
         query_lens = [it.num_tokens for it in items]
         if pad_to is not None and pad_to > num_real:
             extra = pad_to - num_real
-            zeros = np.zeros(extra, dtype=np.int64)
-            ids.append(zeros), pos.append(zeros), slots.append(zeros)
-            bidx.append(np.arange(num_real, pad_to, dtype=np.int64))
-            indices.append(zeros)  # every padded row reads and writes the reserved page 0
-            for _ in range(extra):
-                qo.append(qo[-1] + 1)
-                kvp.append(kvp[-1] + 1)
-                last.append(1)
+            zeros = [0] * extra
+            ids, pos, slots = ids + zeros, pos + zeros, slots + zeros
+            bidx = bidx + list(range(num_real, pad_to))
+            indices = indices + zeros  # every padded row reads and writes the reserved page 0
+            qo = qo + [qo[-1] + i + 1 for i in range(extra)]
+            kvp = kvp + [kvp[-1] + i + 1 for i in range(extra)]
+            last = last + [1] * extra
             seq_lens += [1] * extra
             query_lens += [1] * extra
-        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
-        fields = [cat(ids), cat(pos), cat(slots), cat(bidx), np.asarray(qo), np.asarray(kvp), np.asarray(last),
-                  cat(indices), np.asarray(logit_idx, dtype=np.int64)]
+        fields = [ids, pos, slots, bidx, qo, kvp, last, indices, logit_idx]
         sizes = [len(f) for f in fields]
-        flat = np.concatenate(fields).astype(np.int32)
+        flat = np.fromiter((v for f in fields for v in f), dtype=np.int32, count=sum(sizes))
         n_all = len(flat)
         host = self.host[:n_all]
         host.numpy()[:] = flat
