@@ -1,0 +1,114 @@
+"""``python -m moeserve.bench.startup_worker --spec SPEC.json --out STATE.json``: one timed engine start.
+
+Starts moeserve's ``LLMEngine`` or vLLM's ``LLM`` in this fresh process, then serves one request (a short
+token-id prompt, one output token). Times are seconds since this module began executing: ``import_seconds``
+(moeserve/torch or vLLM imported), ``ready_seconds`` (engine constructed), ``first_token_seconds`` (the
+request's token back); ``ttft_seconds`` is the request alone. For moeserve it also records every
+FlashInfer module load (``moeserve.kernels.jit_events``): which compiled and for how long.
+
+The state file is rewritten at each phase (``status``: importing, starting, ready, done, failed), so the
+parent keeps what was measured when it has to stop a start that takes too long.
+"""
+import time
+
+T0 = time.perf_counter()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+
+def since_start() -> float:
+    return round(time.perf_counter() - T0, 3)
+
+
+def write_state(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(state, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def _sync() -> None:
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_moeserve(spec: dict, out: Path, state: dict) -> None:
+    import torch  # noqa: F401
+    from moeserve import kernels
+    from moeserve.config import EngineConfig
+    from moeserve.engine.engine import LLMEngine
+    from moeserve.engine.sampling_params import SamplingParams
+
+    state.update(status="starting", import_seconds=since_start())
+    write_state(out, state)
+    engine = LLMEngine(EngineConfig(**spec["config"]))
+    state.update(status="ready", ready_seconds=since_start(), describe=engine.describe(),
+                 kernel_cache=getattr(engine.runner, "kernel_cache", None),
+                 jit_events_at_ready=kernels.jit_events(), flashinfer_at_ready=kernels.startup_summary())
+    write_state(out, state)
+    t_req = time.perf_counter()
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    engine.add_request(list(spec["prompt_token_ids"]), params)
+    while engine.has_unfinished():
+        engine.step()
+    _sync()
+    state.update(status="done", first_token_seconds=since_start(), ttft_seconds=round(time.perf_counter() - t_req, 3),
+                 jit_events=kernels.jit_events(), flashinfer=kernels.startup_summary())
+
+
+def run_vllm(spec: dict, out: Path, state: dict) -> None:
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    state.update(status="starting", import_seconds=since_start(), versions={"vllm": getattr(vllm, "__version__", None)})
+    write_state(out, state)
+    llm = LLM(**spec["engine_args"])
+    state.update(status="ready", ready_seconds=since_start())
+    write_state(out, state)
+    t_req = time.perf_counter()
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    llm.generate([{"prompt_token_ids": list(spec["prompt_token_ids"])}], params, use_tqdm=False)
+    _sync()
+    state.update(status="done", first_token_seconds=since_start(), ttft_seconds=round(time.perf_counter() - t_req, 3))
+
+
+def run(spec: dict, out: Path) -> int:
+    state = {"engine": spec["engine"], "mode": spec.get("mode"), "status": "importing", "pid": os.getpid()}
+    write_state(out, state)
+    try:
+        (run_vllm if spec["engine"] == "vllm" else run_moeserve)(spec, out, state)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent through the state file
+        state.update(status="failed", reason=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc(limit=20))
+        if spec["engine"] == "moeserve":
+            try:
+                from moeserve import kernels
+                state.update(jit_events=kernels.jit_events(), flashinfer=kernels.startup_summary())
+            except Exception:  # noqa: BLE001
+                pass
+        write_state(out, state)
+        print(state["traceback"], file=sys.stderr, flush=True)
+        return 1
+    write_state(out, state)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m moeserve.bench.startup_worker", description=__doc__.split("\n")[0])
+    ap.add_argument("--spec", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(json.loads(Path(args.spec).read_text()), Path(args.out))
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # vLLM's engine-core process can hold interpreter shutdown; the parent reaps the group
