@@ -1,0 +1,1 @@
+"""moeserve's OpenAI-compatible HTTP server: ``moeserve serve`` (see ``moeserve.server.cli``)."""
