@@ -1,0 +1,138 @@
+"""The offline workloads' arithmetic and arrival rules, on synthetic timings (no engine)."""
+import math
+
+import pytest
+
+from moeserve.bench.workloads import (WorkloadCase, make_requests, mixed_metrics, mixed_output_lengths, run_once,
+                                      static_metrics, summarize)
+
+
+def _req(first, nth, n, prompt_len=100, arrival=0.0, initial=True, last=None):
+    return {"prompt_len": prompt_len, "max_tokens": n, "initial": initial, "arrival_s": arrival,
+            "first_token_s": first, "nth_token_s": nth, "last_token_s": nth if last is None else last, "num_tokens": n}
+
+
+def test_decode_metrics_follow_the_definitions():
+    # two requests: first tokens at 0.10 and 0.12 s, 10th tokens at 1.00 and 1.02 s
+    run = {"requests": [_req(0.10, 1.00, 10), _req(0.12, 1.02, 10)]}
+    m = static_metrics(run, "decode")
+    assert m["ttft_s"] == pytest.approx(0.12)
+    assert m["decode_tok_s"] == pytest.approx(2 * 9 / (1.02 - 0.12))
+    assert m["e2e_s"] == pytest.approx(1.02)
+    assert m["total_tok_s"] == pytest.approx(2 * (100 + 10) / 1.02)
+    assert m["output_tok_s"] == pytest.approx(2 * 10 / 1.02)
+    assert m["request_throughput"] == pytest.approx(2 / 1.02)
+
+
+def test_prefill_metrics_use_the_slowest_first_token():
+    run = {"requests": [_req(0.2, 0.2, 1, prompt_len=512), _req(0.5, 0.5, 1, prompt_len=512)]}
+    m = static_metrics(run, "prefill")
+    assert m == {"ttft_s": pytest.approx(0.5), "prefill_tok_s": pytest.approx(2 * 512 / 0.5)}
+
+
+def test_mixed_ttft_counts_only_requests_that_arrived_during_decode():
+    run = {"requests": [_req(0.1, 1.0, 8, prompt_len=10), _req(0.1, 2.0, 8, prompt_len=10),
+                        _req(1.3, 3.0, 8, prompt_len=10, arrival=1.0, initial=False),
+                        _req(2.6, 4.0, 8, prompt_len=10, arrival=2.0, initial=False)]}
+    m = mixed_metrics(run)
+    assert m["ttft_s"] == pytest.approx((0.3 + 0.6) / 2)
+    assert m["e2e_s"] == pytest.approx(4.0)
+    assert m["total_tok_s"] == pytest.approx((40 + 32) / 4.0)
+    assert m["output_tok_s"] == pytest.approx(32 / 4.0)
+
+
+def test_summary_is_the_median_and_keeps_raw_runs():
+    case = WorkloadCase("decode", 2, 16, 8)
+    runs = [{"metrics": {"decode_tok_s": v, "ttft_s": 1.0}} for v in (10.0, 30.0, 20.0)]
+    row = summarize(case, runs)
+    assert row["decode_tok_s"] == 20.0 and row["runs"] is runs
+    assert (row["workload"], row["concurrency"], row["prompt_len"], row["output_len"]) == ("decode", 2, 16, 8)
+
+
+def test_requests_are_seeded_and_shaped_by_the_workload():
+    case = WorkloadCase("mixed", 4, 12, 20, seed=7, arrival_every=4)
+    a, b = make_requests(case, 0, 1000), make_requests(case, 0, 1000)
+    assert [r.prompt for r in a] == [r.prompt for r in b]
+    assert make_requests(case, 1, 1000)[0].prompt != a[0].prompt
+    assert len(a) == 12 and all(len(r.prompt) == 12 for r in a)
+    assert all(10 <= t < 1000 for r in a for t in r.prompt)
+    assert [r.max_tokens for r in a[:4]] == [20, 16, 12, 8] == mixed_output_lengths(4, 20, 4)[:4]
+    assert all(r.max_tokens == 20 for r in a[4:])
+    assert [r.max_tokens for r in make_requests(WorkloadCase("prefill", 3, 5, 8), 0, 50)] == [1, 1, 1]
+    assert len({r.id for r in a} | {r.id for r in make_requests(case, -1, 1000)}) == 24
+
+
+class FakeEngine:
+    """One token per running request per step; at most ``slots`` requests run at once."""
+
+    def __init__(self, clock, slots=100):
+        self.clock, self.slots, self.running, self.added = clock, slots, {}, []
+
+    def add(self, rid, prompt, max_tokens):
+        self.added.append((rid, self.clock.now))
+        self.running[rid] = [0, max_tokens]
+
+    def step(self):
+        self.clock.now += 1.0
+        out = []
+        for rid, st in list(self.running.items())[:self.slots]:
+            st[0] += 1
+            done = st[0] >= st[1]
+            out.append((rid, st[0], done))
+            if done:
+                del self.running[rid]
+        return out
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_static_run_times_every_token_at_step_return():
+    clock = Clock()
+    eng = FakeEngine(clock)
+    case = WorkloadCase("decode", 3, 4, 5)
+    run = run_once(eng, case, make_requests(case, 0, 100), clock=clock)
+    assert run["steps"] == 5
+    for r in run["requests"]:
+        assert (r["first_token_s"], r["nth_token_s"], r["num_tokens"]) == (1.0, 5.0, 5)
+    assert static_metrics(run, "decode")["decode_tok_s"] == pytest.approx(3 * 4 / 4.0)
+
+
+def test_mixed_run_adds_one_request_per_finish_and_keeps_c_in_flight():
+    clock = Clock()
+    eng = FakeEngine(clock)
+    case = WorkloadCase("mixed", 3, 4, 6, arrival_every=2)
+    reqs = make_requests(case, 0, 100)
+    run = run_once(eng, case, reqs, clock=clock)
+    assert len(eng.added) == 9 and [rid for rid, _ in eng.added] == [r.id for r in reqs]
+    late = [r for r in run["requests"] if not r["initial"]]
+    assert len(late) == 6
+    # initial output lengths are 6, 4, 2: the 2-token request finishes at t=2, so the first late one arrives then
+    assert [r.max_tokens for r in reqs[:3]] == [6, 4, 2]
+    assert late[0]["arrival_s"] == 2.0 and late[0]["first_token_s"] == 3.0
+    assert late[1]["arrival_s"] == 4.0
+    m = mixed_metrics(run)
+    assert m["ttft_s"] == pytest.approx(1.0) and math.isfinite(m["total_tok_s"])
+
+
+def test_a_run_that_never_finishes_times_out():
+    class Stuck:
+        def add(self, *a):
+            pass
+
+        def step(self):
+            return []
+    case = WorkloadCase("decode", 1, 4, 4)
+    with pytest.raises(RuntimeError, match="not finished"):
+        run_once(Stuck(), case, make_requests(case, 0, 100), timeout_s=0.05)
+
+
+def test_bad_cases_name_the_problem():
+    with pytest.raises(ValueError, match="workload"):
+        WorkloadCase("chat", 1, 4, 4)
+    with pytest.raises(ValueError, match="output_len"):
+        WorkloadCase("decode", 1, 4, 1)
