@@ -138,9 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     except (ValueError, RuntimeError, NotImplementedError) as e:
-        from moeserve.ops.registry import BackendUnavailable
         from moeserve.engine.engine import RequestError
-        if isinstance(e, (BackendUnavailable, RequestError, NotImplementedError)) or type(e) is ValueError:
+        from moeserve.kernels import KernelCacheError
+        from moeserve.ops.registry import BackendUnavailable
+        if isinstance(e, (BackendUnavailable, RequestError, KernelCacheError, NotImplementedError)) or type(e) is ValueError:
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise

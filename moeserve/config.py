@@ -66,7 +66,8 @@ class BenchConfig(_Strict):
     runs: int = Field(3, ge=1)
     warmup_runs: int = Field(1, ge=0)
     seed: int = 0
-    # Mixed workload: requests arriving while decodes are in flight, one new request every this many steps.
+    # Mixed workload: c requests in flight whose output lengths differ by this many tokens, so they finish
+    # at different times; each finished request is replaced by a new prompt until 3*c are done.
     mixed_arrival_every: int = Field(4, ge=1)
     output_dir: str = "bench-results"
     vllm: VllmBaselineConfig = Field(default_factory=VllmBaselineConfig)

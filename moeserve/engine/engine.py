@@ -62,6 +62,9 @@ class LLMEngine:
         log.info("engine ready in %.1f s: %s on %s, %s, backends %s, %d KV pages of %d tokens",
                  self.ready_seconds, self.source.name, self.runner.device, str(self.runner.dtype).removeprefix("torch."),
                  self.runner.backend_names, self.pool.capacity, self.pool.page_size)
+        if self.runner.device.type == "cuda":
+            from moeserve.kernels import startup_summary
+            log.info("%s", startup_summary())
 
     # --- requests ------------------------------------------------------------------------------
     def new_request_id(self) -> str:
