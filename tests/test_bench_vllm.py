@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from moeserve.bench.vllm_baseline import VLLM_CONFIGS, hf_model_dir, parse_log, run_vllm_config, shared_engine_args
+from moeserve.bench.vllm_baseline import (VLLM_CONFIGS, hf_model_dir, parse_log, run_vllm_config,
+                                          run_vllm_configs_together, shared_engine_args)
 from moeserve.bench.workloads import WorkloadCase
 from moeserve.config import make_config, resolve_model_source
 
@@ -115,6 +116,22 @@ def test_worker_that_never_gets_ready_is_stopped(fake_vllm, tmp_path):
     pid = __import__("json").loads((tmp_path / "vllm-flashinfer.json").read_text())["pid"]
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_configurations_started_together_run_their_workloads_one_at_a_time(fake_vllm, tmp_path):
+    """Both workers start at once; the never-ready one is given up at the start timeout and the other then
+    runs its cells behind its gate, so its timed runs begin only after every start has settled."""
+    cfg, args = _args(tmp_path)
+    t0 = time.monotonic()
+    entries = run_vllm_configs_together(["default", "flashinfer"], args, [WorkloadCase("decode", 2, 8, 4)], 1024,
+                                        1, 0, tmp_path, 6, 90, cfg, lambda s: None)
+    by = {e["label"]: e for e in entries}
+    assert by["vllm:flashinfer"]["available"] is False and "not ready within 6 s" in by["vllm:flashinfer"]["reason"]
+    d = by["vllm:default"]
+    assert d["available"] and d["results"][0]["decode_tok_s"] > 0
+    assert (tmp_path / "vllm-default.go").exists() and not (tmp_path / "vllm-flashinfer.go").exists()
+    # the gate opened only after the other worker's start timeout
+    assert (tmp_path / "vllm-default.go").stat().st_mtime >= t0 + 6
 
 
 def test_unknown_configuration_is_unavailable(tmp_path):

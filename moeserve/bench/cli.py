@@ -56,6 +56,9 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-dir", metavar="DIR", help="write here (default: bench.output_dir/<timestamp>)")
     g.add_argument("--merge", action="append", default=[], metavar="RESULT.json",
                    help="add the engines of an earlier result file (same workloads) to this report")
+    g.add_argument("--vllm-together", action="store_true",
+                   help="start every vLLM configuration at once (GPU memory split between them) and run their "
+                        "workloads one engine at a time: the start-ups overlap, the timed runs do not")
     g.add_argument("--no-vllm-kernel-cache", action="store_true",
                    help="let vLLM compile its FlashInfer modules itself even when kernel_cache_dir is set")
 
@@ -205,24 +208,47 @@ def _wait_for_free_memory(device, wanted: int, log, timeout_s: float = 60.0) -> 
 
 
 def _run_vllm(cfg, names, cases, arch, source, device, dtype, runs, warmups, out_dir, budget_left, log,
-              share_kernel_cache: bool = True) -> list[dict]:
+              share_kernel_cache: bool = True, together: bool = False) -> list[dict]:
     from moeserve.bench.engine_driver import unavailable_entry
-    from moeserve.bench.vllm_baseline import (VLLM_CONFIGS, hf_model_dir, run_vllm_config, shared_engine_args,
-                                               vllm_installed)
-    entries = []
+    from moeserve.bench.vllm_baseline import (VLLM_CONFIGS, hf_model_dir, run_vllm_config,
+                                               run_vllm_configs_together, shared_engine_args, vllm_installed)
+    entries, runnable = [], []
     for name in names:
         label = f"vllm:{name}"
         if name not in VLLM_CONFIGS:
             entries.append(unavailable_entry("vllm", label, f"unknown vLLM configuration {name!r}; known: "
                                              + ", ".join(VLLM_CONFIGS)))
-            continue
-        if not vllm_installed():
+        elif not vllm_installed():
             entries.append(unavailable_entry("vllm", label, "vllm is not installed here (python cannot import it)"))
-            continue
-        if device.type != "cuda":
+        elif device.type != "cuda":
             entries.append(unavailable_entry("vllm", label,
                                              f"the vLLM baseline needs a CUDA GPU; this run is on {device}"))
-            continue
+        else:
+            runnable.append(name)
+    if not runnable:
+        return entries
+    import torch
+    model_dir, load_format = hf_model_dir(cfg, source, out_dir)
+    max_len = cfg.max_model_len or arch.max_position_embeddings
+    dt = str(dtype).removeprefix("torch.")
+    if together and len(runnable) > 1:
+        start_timeout = cfg.bench.vllm.start_timeout_s
+        deadline = start_timeout + VLLM_RUN_ALLOWANCE_S * len(runnable)
+        left = budget_left()
+        if left is not None:
+            start_timeout, deadline = min(start_timeout, left - VLLM_FINISH_MARGIN_S), left - VLLM_FINISH_MARGIN_S
+        util, note = _vllm_utilization(cfg, device, log)
+        share = math.floor(util / len(runnable) * 100) / 100
+        args = shared_engine_args(cfg, model_dir, load_format, dt, max_len, share)
+        for entry in run_vllm_configs_together(runnable, args, cases, arch.vocab_size, runs, warmups, out_dir,
+                                               start_timeout, deadline, cfg, log, share_kernel_cache):
+            entry.setdefault("notes", []).append(
+                f"started together with {len(runnable) - 1} other vLLM configuration(s), each with "
+                f"gpu_memory_utilization {share}; workloads ran one engine at a time" + (f"; {note}" if note else ""))
+            entries.append(entry)
+        return entries
+    for name in runnable:
+        label = f"vllm:{name}"
         start_timeout = cfg.bench.vllm.start_timeout_s
         deadline = start_timeout + VLLM_RUN_ALLOWANCE_S
         left = budget_left()
@@ -233,12 +259,9 @@ def _run_vllm(cfg, names, cases, arch, source, device, dtype, runs, warmups, out
                                                  f"skipped: only {max(left, 0):.0f} s of --time-budget left"))
                 continue
             start_timeout, deadline = min(start_timeout, left), left
-        import torch
         free_before = torch.cuda.mem_get_info(device)[0]
         util, note = _vllm_utilization(cfg, device, log)
-        model_dir, load_format = hf_model_dir(cfg, source, out_dir)
-        args = shared_engine_args(cfg, model_dir, load_format, str(dtype).removeprefix("torch."),
-                                  cfg.max_model_len or arch.max_position_embeddings, util)
+        args = shared_engine_args(cfg, model_dir, load_format, dt, max_len, util)
         entry = run_vllm_config(name, args, cases, arch.vocab_size, runs, warmups, out_dir, start_timeout, deadline,
                                 cfg, log, share_kernel_cache)
         _wait_for_free_memory(device, free_before - (2 << 30), log)
@@ -310,7 +333,8 @@ def run_offline(args) -> int:
         else (args.vllm_config or list(b.vllm.configs))
     budget_left = (lambda: None) if args.time_budget is None else (lambda: args.time_budget - (time.monotonic() - t0))
     for entry in _run_vllm(cfg, names, cases, arch, source, device, dtype, b.runs, b.warmup_runs, out,
-                           budget_left, log, share_kernel_cache=not args.no_vllm_kernel_cache):
+                           budget_left, log, share_kernel_cache=not args.no_vllm_kernel_cache,
+                           together=args.vllm_together):
         result["engines"].append(entry)
         write_json(result, partial)
     _merge(result, merged, log)

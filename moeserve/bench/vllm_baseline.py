@@ -180,71 +180,127 @@ def worker_env(cfg: EngineConfig, out_dir: Path, share_kernel_cache: bool) -> tu
     return env, note
 
 
+class Worker:
+    """A running vLLM worker process: its files, its log tail, and the gate it waits at once ready."""
+
+    def __init__(self, name: str, engine_args: dict, cases: list[WorkloadCase], vocab_size: int, runs: int,
+                 warmup_runs: int, out_dir: Path, cfg: EngineConfig, log: Callable[[str], None],
+                 share_kernel_cache: bool = True, gated: bool = False):
+        self.name, self.label, self.log = name, f"vllm:{name}", log
+        self.args = dict(engine_args, **VLLM_CONFIGS[name])
+        self.num_cases = len(cases)
+        self.spec_path, self.out_path, self.log_path = (out_dir / f"vllm-{name}.spec.json",
+                                                        out_dir / f"vllm-{name}.json", out_dir / f"vllm-{name}.log")
+        self.gate = out_dir / f"vllm-{name}.go" if gated else None
+        if self.gate is not None:
+            self.gate.unlink(missing_ok=True)
+        spec = {"name": name, "engine_args": self.args, "cases": [c.to_dict() for c in cases],
+                "vocab_size": vocab_size, "runs": runs, "warmup_runs": warmup_runs,
+                "gate": str(self.gate) if self.gate else None}
+        self.spec_path.write_text(json.dumps(spec, indent=1))
+        self.out_path.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "moeserve.bench.vllm_worker", "--spec", str(self.spec_path),
+               "--out", str(self.out_path)]
+        env, self.cache_note = worker_env(cfg, out_dir, share_kernel_cache)
+        self.t0 = time.monotonic()
+        self.logf = open(self.log_path, "w")
+        self.tail = open(self.log_path, "r", errors="replace")
+        self.proc = subprocess.Popen(cmd, stdout=self.logf, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=env)
+        self.reason: str | None = None
+        self.ready = False
+
+    def echo(self) -> None:
+        for line in self.tail.readlines():
+            if ECHO.search(line):
+                self.log(f"{self.label} | {line.rstrip()[:240]}")
+
+    def poll(self, start_timeout_s: float) -> bool:
+        """One look at the worker; True while it is still starting."""
+        self.echo()
+        if self.proc.poll() is not None:
+            return False
+        self.ready = self.ready or _read_state(self.out_path).get("status") in ("ready", "done")
+        if not self.ready and time.monotonic() - self.t0 > start_timeout_s:
+            self.reason = f"not ready within {start_timeout_s:.0f} s (bench.vllm.start_timeout_s or --time-budget)"
+            return False
+        return not self.ready
+
+    def wait_ready(self, start_timeout_s: float) -> None:
+        while self.poll(start_timeout_s):
+            time.sleep(POLL_S)
+
+    def finish(self, deadline_s: float) -> dict:
+        """Open the gate (if any), follow the worker to the end of its cases or the deadline; its entry."""
+        if self.gate is not None and self.ready and self.reason is None:
+            self.gate.touch()
+        while self.reason is None and self.proc.poll() is None:
+            self.echo()
+            if time.monotonic() - self.t0 > deadline_s:
+                self.reason = f"stopped at its deadline ({deadline_s:.0f} s, --time-budget)"
+                break
+            time.sleep(POLL_S)
+        _kill_group(self.proc)
+        self.echo()
+        self.logf.close()
+        self.tail.close()
+        return self._entry(time.monotonic() - self.t0)
+
+    def _entry(self, wall: float) -> dict:
+        label, log_path = self.label, self.log_path
+        state = _read_state(self.out_path)
+        parsed = parse_log(log_path.read_text(errors="replace"))
+        extra = {"engine_args": self.args, "log": log_path.name, "worker_seconds": wall,
+                 "notes": parsed["notes"] + state.get("notes", []) + ([self.cache_note] if self.cache_note else [])}
+        if not state.get("available"):
+            why = self.reason or state.get("reason")
+            if why is None:
+                last = [l for l in log_path.read_text(errors="replace").splitlines() if l.strip()][-3:]
+                why = (f"worker exited with code {self.proc.returncode} before the engine was ready: "
+                       + " | ".join(last)[-400:])
+            self.log(f"{label}: unavailable: {why}")
+            return unavailable_entry("vllm", label, why, backends=parsed["backends"], **extra)
+        done = len(state.get("results", []))
+        if self.reason:
+            extra["notes"].append(f"{self.reason}; {done} of {self.num_cases} cells measured")
+        elif self.proc.returncode not in (0, None, -signal.SIGTERM, -signal.SIGKILL) or done < self.num_cases:
+            extra["notes"].append(f"worker exited with code {self.proc.returncode} after {done} of "
+                                  f"{self.num_cases} cells")
+        memory = dict(parsed["memory"], **(state.get("memory") or {}))
+        self.log(f"{label}: done in {wall:.0f} s, {done} of {self.num_cases} cells")
+        return {"name": "vllm", "label": label, "available": True, "reason": None, "backends": parsed["backends"],
+                "start_seconds": state.get("start_seconds"),
+                "startup": dict(parsed["startup"], import_seconds=state.get("import_seconds"),
+                                ready_seconds=state.get("start_seconds")),
+                "memory": memory, "versions": state.get("versions"), "results": state.get("results", []), **extra}
+
+
 def run_vllm_config(name: str, engine_args: dict, cases: list[WorkloadCase], vocab_size: int, runs: int,
                     warmup_runs: int, out_dir: Path, start_timeout_s: float, deadline_s: float,
                     cfg: EngineConfig, log: Callable[[str], None], share_kernel_cache: bool = True) -> dict:
     """Run one vLLM configuration in a worker; returns its engine entry."""
-    label = f"vllm:{name}"
     if name not in VLLM_CONFIGS:
-        return unavailable_entry("vllm", label, f"unknown vLLM configuration {name!r}; known: "
+        return unavailable_entry("vllm", f"vllm:{name}", f"unknown vLLM configuration {name!r}; known: "
                                  + ", ".join(VLLM_CONFIGS))
-    args = dict(engine_args, **VLLM_CONFIGS[name])
-    spec = {"name": name, "engine_args": args, "cases": [c.to_dict() for c in cases], "vocab_size": vocab_size,
-            "runs": runs, "warmup_runs": warmup_runs}
-    spec_path, out_path, log_path = (out_dir / f"vllm-{name}.spec.json", out_dir / f"vllm-{name}.json",
-                                     out_dir / f"vllm-{name}.log")
-    spec_path.write_text(json.dumps(spec, indent=1))
-    out_path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "moeserve.bench.vllm_worker", "--spec", str(spec_path), "--out", str(out_path)]
-    log(f"{label}: starting worker (start timeout {start_timeout_s:.0f} s, deadline {deadline_s:.0f} s); "
-        f"log in {log_path}")
-    env, cache_note = worker_env(cfg, out_dir, share_kernel_cache)
-    t0 = time.monotonic()
-    reason = None
-    with open(log_path, "w") as logf, open(log_path, "r", errors="replace") as tail:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        ready = False
-        while True:
-            exited = proc.poll() is not None
-            for line in tail.readlines():
-                if ECHO.search(line):
-                    log(f"{label} | {line.rstrip()[:240]}")
-            if exited:
-                break
-            elapsed = time.monotonic() - t0
-            ready = ready or _read_state(out_path).get("status") in ("ready", "done")
-            if not ready and elapsed > start_timeout_s:
-                reason = f"not ready within {start_timeout_s:.0f} s (bench.vllm.start_timeout_s or --time-budget)"
-                break
-            if elapsed > deadline_s:
-                reason = f"stopped at its deadline ({deadline_s:.0f} s, --time-budget)"
-                break
-            time.sleep(POLL_S)
-        _kill_group(proc)
-        for line in tail.readlines():
-            if ECHO.search(line):
-                log(f"{label} | {line.rstrip()[:240]}")
-    wall = time.monotonic() - t0
-    state = _read_state(out_path)
-    parsed = parse_log(log_path.read_text(errors="replace"))
-    extra = {"engine_args": args, "log": log_path.name, "worker_seconds": wall,
-             "notes": parsed["notes"] + state.get("notes", []) + ([cache_note] if cache_note else [])}
-    if not state.get("available"):
-        why = reason or state.get("reason")
-        if why is None:
-            last = [l for l in log_path.read_text(errors="replace").splitlines() if l.strip()][-3:]
-            why = f"worker exited with code {proc.returncode} before the engine was ready: " + " | ".join(last)[-400:]
-        log(f"{label}: unavailable: {why}")
-        return unavailable_entry("vllm", label, why, backends=parsed["backends"], **extra)
-    done = len(state.get("results", []))
-    if reason:
-        extra["notes"].append(f"{reason}; {done} of {len(cases)} cells measured")
-    elif proc.returncode != 0:
-        extra["notes"].append(f"worker exited with code {proc.returncode} after {done} of {len(cases)} cells")
-    memory = dict(parsed["memory"], **(state.get("memory") or {}))
-    log(f"{label}: done in {wall:.0f} s, {done} of {len(cases)} cells")
-    return {"name": "vllm", "label": label, "available": True, "reason": None, "backends": parsed["backends"],
-            "start_seconds": state.get("start_seconds"),
-            "startup": dict(parsed["startup"], import_seconds=state.get("import_seconds"),
-                            ready_seconds=state.get("start_seconds")),
-            "memory": memory, "versions": state.get("versions"), "results": state.get("results", []), **extra}
+    log(f"vllm:{name}: starting worker (start timeout {start_timeout_s:.0f} s, deadline {deadline_s:.0f} s); "
+        f"log in {out_dir / f'vllm-{name}.log'}")
+    w = Worker(name, engine_args, cases, vocab_size, runs, warmup_runs, out_dir, cfg, log, share_kernel_cache)
+    w.wait_ready(start_timeout_s)
+    return w.finish(deadline_s)
+
+
+def run_vllm_configs_together(names: list[str], engine_args: dict, cases: list[WorkloadCase], vocab_size: int,
+                              runs: int, warmup_runs: int, out_dir: Path, start_timeout_s: float,
+                              deadline_s: float, cfg: EngineConfig, log: Callable[[str], None],
+                              share_kernel_cache: bool = True) -> list[dict]:
+    """Start every configuration at once (each with its share of GPU memory), then, once all are ready or
+    given up on, let them run their workloads one after another, so no timed run overlaps another engine's
+    work. The start-up times overlap, which is what this saves; each worker's start time is still its own."""
+    workers = [Worker(n, engine_args, cases, vocab_size, runs, warmup_runs, out_dir, cfg, log, share_kernel_cache,
+                      gated=True) for n in names]
+    log(f"vLLM: started {', '.join(w.label for w in workers)} together (start timeout {start_timeout_s:.0f} s)")
+    starting = list(workers)
+    while starting:
+        starting = [w for w in starting if w.poll(start_timeout_s)]
+        time.sleep(POLL_S)
+    return [w.finish(deadline_s) for w in workers]

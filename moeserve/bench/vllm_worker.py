@@ -121,6 +121,11 @@ def run(spec: dict, out: Path) -> int:
                  memory=device_memory_used())
     write_state(out, state)
     say(f"vllm:{name}: ready in {state['start_seconds']:.1f} s")
+    gate = spec.get("gate")
+    if gate:  # started beside other engines: wait until it is this one's turn to run its workloads
+        say(f"vllm:{name}: waiting for its turn")
+        while not Path(gate).exists():
+            time.sleep(0.2)
     adapter = VllmAdapter(engine, SamplingParams)
     for case_dict in spec["cases"]:
         case = WorkloadCase(**case_dict)
