@@ -1,4 +1,5 @@
-"""Model weights: Hugging Face safetensors checkpoints (one file or sharded with an index) or dummy random init.
+"""Model weights: Hugging Face safetensors checkpoints (one file or sharded with an index, high precision or
+block-FP8) or dummy random init.
 
 The model lists every checkpoint tensor it expects (``checkpoint_entries``); loading copies each one into
 its place and checks the shape. A missing tensor or a shape mismatch is an error that names the tensor.
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -14,6 +16,8 @@ from safetensors import safe_open
 
 from moeserve.models import checkpoint_name
 from moeserve.models.layers import MoECausalLM
+from moeserve.quant.fp8 import block_scale_shape
+from moeserve.quant.loading import SCALE_SUFFIX, Fp8Placer, is_fp8, quantize_param_
 
 log = logging.getLogger("moeserve")
 
@@ -44,28 +48,40 @@ def checkpoint_files(weights_dir: str | Path) -> list[Path]:
 
 @torch.no_grad()
 def load_checkpoint(model: MoECausalLM, weights_dir: str | Path) -> dict:
-    """Copy a safetensors checkpoint into ``model``; returns counts of what was loaded and skipped."""
+    """Copy a safetensors checkpoint into ``model``; returns counts of what was loaded and skipped.
+
+    FP8 checkpoint tensors (``float8_e4m3fn`` with a ``<name>_scale_inv`` block-scale tensor beside them) go
+    into FP8 parameters as they are, or are dequantised into high-precision ones; high-precision tensors are
+    quantised on arrival into FP8 parameters (see ``moeserve.quant.loading``).
+    """
     entries = model.checkpoint_entries()
     model_type = model.arch.model_type
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for path in checkpoint_files(weights_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+    placer = Fp8Placer()
+    with ExitStack() as stack:
+        where = {}
+        for path in checkpoint_files(weights_dir):
+            f = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
             for name in f.keys():
-                key = checkpoint_name(model_type, name)
-                entry = entries.get(key)
-                if entry is None:
-                    if not key.endswith(IGNORED_SUFFIXES) and not (key == "lm_head.weight" and model.arch.tie_word_embeddings):
-                        unexpected.append(name)
-                    continue
-                target = entry.param.data[entry.index] if entry.index else entry.param.data
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(target.shape):
-                    raise WeightError(f"checkpoint tensor {name!r} has shape {list(shape)} but the model "
-                                      f"({model_type}) expects {list(target.shape)}")
-                target.copy_(f.get_tensor(name).to(target.dtype))
-                loaded.add(key)
-                loaded.update(entry.covers)
+                where[name] = f
+        for name, f in where.items():
+            if name.endswith(SCALE_SUFFIX) and name[:-len(SCALE_SUFFIX)] in where:
+                continue  # read together with its weight
+            key = checkpoint_name(model_type, name)
+            entry = entries.get(key)
+            if entry is None:
+                if not key.endswith(IGNORED_SUFFIXES) and not (key == "lm_head.weight" and model.arch.tie_word_embeddings):
+                    unexpected.append(name)
+                continue
+            target = entry.param.data[entry.index] if entry.index else entry.param.data
+            shape = tuple(f.get_slice(name).get_shape())
+            if shape != tuple(target.shape):
+                raise WeightError(f"checkpoint tensor {name!r} has shape {list(shape)} but the model "
+                                  f"({model_type}) expects {list(target.shape)}")
+            _load_tensor(placer, entry, target, name, f.get_tensor(name), where)
+            loaded.add(key)
+            loaded.update(entry.covers)
     required = {name for name, e in entries.items() if not e.covers}
     missing = sorted(required - loaded)
     if missing:
@@ -76,14 +92,48 @@ def load_checkpoint(model: MoECausalLM, weights_dir: str | Path) -> dict:
     return {"loaded": len(loaded), "ignored": len(unexpected)}
 
 
+def _load_tensor(placer: Fp8Placer, entry, target: torch.Tensor, name: str, tensor: torch.Tensor, where: dict) -> None:
+    """One checkpoint tensor into ``entry``: plain copy, FP8 copy with scales, dequantise or quantise."""
+    param_fp8 = is_fp8(entry.param)
+    if is_fp8(tensor):
+        scale_name = name + SCALE_SUFFIX
+        if scale_name not in where:
+            raise WeightError(f"checkpoint tensor {name!r} is float8_e4m3fn but its block scales "
+                              f"{scale_name!r} are not in the checkpoint")
+        scale = where[scale_name].get_tensor(scale_name)
+        try:
+            if param_fp8:
+                placer.place_fp8(name, entry.param, entry.scale, entry.index, tensor, scale, scale_name)
+            else:
+                if tuple(scale.shape[-2:]) != block_scale_shape(*tensor.shape[-2:]):
+                    raise ValueError(f"checkpoint tensor {scale_name!r} has shape {list(scale.shape)} but {name!r} "
+                                     f"of shape {list(tensor.shape)} needs 128x128 block scales of shape "
+                                     f"{list(block_scale_shape(*tensor.shape[-2:]))}")
+                placer.dequantize_into(target, tensor, scale)
+        except ValueError as e:
+            raise WeightError(str(e)) from None
+    elif param_fp8:
+        placer.quantize_into(entry.param, entry.scale, entry.index, tensor)
+    else:
+        target.copy_(tensor.to(target.dtype))
+
+
 @torch.no_grad()
 def init_dummy(model: MoECausalLM, seed: int = 0, std: float | None = None) -> None:
-    """Random weights of the right shapes: N(0, initializer_range) matrices, unit norms, zero biases."""
+    """Random weights of the right shapes: N(0, initializer_range) matrices, unit norms, zero biases.
+
+    An FP8 parameter gets the same draw a high-precision model would (in the model dtype), quantised, so an
+    FP8 dummy model is the quantised version of the high-precision one with the same seed.
+    """
     std = model.arch.initializer_range if std is None else std
     gens: dict[torch.device, torch.Generator] = {}
-    for name, p in model.named_parameters():
+    params = dict(model.named_parameters())
+    dtype = model.embed_tokens.dtype
+    for name, p in params.items():
         leaf = name.rsplit(".", 1)[-1]
         parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+        if leaf.endswith(SCALE_SUFFIX) and name[:-len(SCALE_SUFFIX)] in params:
+            continue  # set when its weight is quantised
         if leaf in NORM_NAMES or parent in NORM_NAMES and leaf == "weight":
             p.fill_(1.0)
         elif leaf in ("bias", "correction_bias"):
@@ -93,4 +143,9 @@ def init_dummy(model: MoECausalLM, seed: int = 0, std: float | None = None) -> N
             if g is None:
                 g = gens[p.device] = torch.Generator(device=p.device)
                 g.manual_seed(seed)
-            p.normal_(0.0, std, generator=g)
+            if is_fp8(p):
+                draw = torch.empty(p.shape, dtype=dtype, device=p.device).normal_(0.0, std, generator=g)
+                quantize_param_(p, params[name + SCALE_SUFFIX], draw)
+                del draw
+            else:
+                p.normal_(0.0, std, generator=g)

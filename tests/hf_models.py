@@ -15,9 +15,20 @@ QWEN3_MOE = dict(
     norm_topk_prob=True, max_position_embeddings=512, initializer_range=0.1, rope_theta=10000.0,
 )
 
+# GLM-4.5 style: partial RoPE, q/k/v biases, q/k norm, grouped sigmoid routing with a correction bias,
+# a shared expert and one leading dense layer.
+GLM4_MOE = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+    n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    first_k_dense_replace=1, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5,
+    max_position_embeddings=512, initializer_range=0.1, rope_theta=10000.0,
+)
+
 
 def make_checkpoint(kind: str, path, seed: int = 0, **overrides):
-    """Save a random ``Qwen2MoeForCausalLM`` or ``Qwen3MoeForCausalLM`` to ``path``; return the HF model."""
+    """Save a random ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM`` or ``Glm4MoeForCausalLM`` to ``path``;
+    return the HF model. GLM's routing correction biases are drawn at random (transformers zeroes them)."""
     import transformers
     torch.manual_seed(seed)
     if kind == "qwen2_moe":
@@ -26,6 +37,14 @@ def make_checkpoint(kind: str, path, seed: int = 0, **overrides):
     elif kind == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(**{**QWEN3_MOE, **overrides})
         model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif kind == "glm4_moe":
+        cfg = transformers.Glm4MoeConfig(**{**GLM4_MOE, **overrides})
+        model = transformers.Glm4MoeForCausalLM(cfg)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                gate = getattr(layer.mlp, "gate", None)
+                if gate is not None and hasattr(gate, "e_score_correction_bias"):
+                    gate.e_score_correction_bias.normal_(0.0, 0.05)
     else:
         raise ValueError(kind)
     model = model.float().eval()

@@ -16,6 +16,7 @@ from moeserve.models import arch_from_hf
 from moeserve.models.layers import MoECausalLM, Ops
 from moeserve.ops import registry
 from moeserve.ops.sampling import SamplingBatch
+from moeserve.quant.config import engine_quantization
 from moeserve.weights import init_dummy, load_checkpoint
 
 log = logging.getLogger("moeserve")
@@ -42,10 +43,10 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.arch = arch = arch_from_hf(source.config)
         self.dtype = resolve_dtype(cfg.dtype, arch.torch_dtype, self.device)
-        if cfg.quantization != "none":
-            raise NotImplementedError(f"quantization: {cfg.quantization!r} is not supported by this build")
+        self.quantization = engine_quantization(cfg, source.config)
         if cfg.kv_cache_dtype != "auto":
-            raise NotImplementedError(f"kv_cache_dtype: {cfg.kv_cache_dtype!r} is not supported by this build")
+            raise NotImplementedError(f"kv_cache_dtype: {cfg.kv_cache_dtype!r} is not supported by this build "
+                                      "(the KV cache is kept in the model dtype; use kv_cache_dtype: auto)")
         self.max_model_len = cfg.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
             raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
@@ -55,7 +56,7 @@ class ModelRunner:
         if cfg.kernel_cache_dir is not None:
             from moeserve.kernels import use_kernel_cache
             self.kernel_cache = use_kernel_cache(cfg.kernel_cache_dir, hw)
-        specs = {op: registry.resolve(op, getattr(cfg.backends, op), hw, self.device, self.dtype, cfg.quantization)
+        specs = {op: registry.resolve(op, getattr(cfg.backends, op), hw, self.device, self.dtype, self.quantization)
                  for op in ("attention", "moe", "linear", "sampling", "norm", "rope", "activation")}
         self.backend_names = {op: s.name for op, s in specs.items()}
         load = registry.load
@@ -66,6 +67,7 @@ class ModelRunner:
             moe=load(specs["moe"])(self.device, self.dtype),
             rope_cls=load(specs["rope"]),
             names=self.backend_names,
+            quantization=self.quantization,
         )
         self._attn_cls = load(specs["attention"])
 
@@ -219,7 +221,10 @@ class ModelRunner:
         if graphs is not None and is_decode and len(items) <= graphs.max_batch_size:
             bucket = graphs.bucket(len(items))
             batch = self.builder.build(items, pad_to=bucket)
-            return graphs.replay(bucket, batch)[:len(items)]
+            logits = graphs.replay(bucket, batch)
+            if all(it.samples for it in items):
+                return logits[:len(items)]
+            return logits[batch.logits_indices.long()]
         batch = self.builder.build(items)
         self.ops.attention.begin(batch.attn)
         hidden = self.model(batch.input_ids, batch.positions)

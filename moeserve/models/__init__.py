@@ -1,10 +1,11 @@
 """Model families by Hugging Face ``model_type``; each turns a config.json into an ``ArchConfig``."""
 from __future__ import annotations
 
-from moeserve.models import qwen2_moe, qwen3_moe
+from moeserve.models import glm4_moe, qwen2_moe, qwen3_moe
 from moeserve.models.arch import ArchConfig
 
 FAMILIES = {
+    "glm4_moe": glm4_moe,
     "qwen2_moe": qwen2_moe,
     "qwen3_moe": qwen3_moe,
 }

@@ -35,6 +35,7 @@ class ArchConfig:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gate: bool = False  # Qwen2-MoE gates the shared expert with sigmoid(x . w)
     routing_correction_bias: bool = False
+    router_fp32: bool = False  # router logits computed in float32 (GLM-4.5 / DeepSeek-V3 style routers)
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     initializer_range: float = 0.02
@@ -70,6 +71,16 @@ def rope_scaling(hf: dict) -> dict | None:
         if params.get("rope_type", "default") != "default":
             s = params
     return s
+
+
+def partial_rotary_factor(hf: dict, default: float = 1.0) -> float:
+    """The fraction of each head that RoPE rotates (``partial_rotary_factor``, top level or in ``rope_parameters``)."""
+    if hf.get("partial_rotary_factor") is not None:
+        return float(hf["partial_rotary_factor"])
+    params = hf.get("rope_parameters") or {}
+    if params.get("partial_rotary_factor") is not None:
+        return float(params["partial_rotary_factor"])
+    return default
 
 
 def num_experts(hf: dict) -> int:

@@ -4,6 +4,10 @@ Each block computes through the operator backends in ``Ops`` and lists the check
 expects (Hugging Face names) with where each one lands, so the weight loader needs no per-model code.
 q/k/v are merged into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` (gate rows first) so each is
 one GEMM; the experts of a layer are stacked into ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``.
+
+With ``Ops.quantization == "fp8"`` the dense linears (q/k/v/o, dense and shared-expert MLPs) and the routed
+experts hold ``float8_e4m3fn`` weights with float32 128x128 block scales (``weight_scale_inv``,
+``w13_scale_inv``, ``w2_scale_inv``); embeddings, LM head, router and norms stay in the model dtype.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import torch.nn.functional as F
 
 from moeserve.models.arch import ArchConfig
 from moeserve.ops.moe.routing import select_experts
+from moeserve.quant.fp8 import FP8_DTYPE, block_scale_shape
+from moeserve.quant.moe_ref import experts_fp8_reference
 
 
 @dataclass
@@ -28,29 +34,45 @@ class Ops:
     rope_cls: type
     attention: object = None
     names: dict[str, str] = field(default_factory=dict)
+    quantization: str = "none"  # weight format of the quantisable layers: none | fp8
 
 
 @dataclass
 class Entry:
-    """One checkpoint tensor: where it goes (``param[index]``) and which other names it stands for."""
+    """One checkpoint tensor: where it goes (``param[index]``) and which other names it stands for;
+    ``scale`` is the block-scale parameter when ``param`` is FP8."""
 
     param: torch.Tensor
     index: tuple = ()
     covers: tuple[str, ...] = ()
+    scale: torch.Tensor | None = None
 
 
 def _param(shape, dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def _fp8(ops: Ops) -> bool:
+    return ops.quantization == "fp8"
+
+
 class Linear(nn.Module):
-    def __init__(self, ops: Ops, in_features: int, out_features: int, bias: bool, dtype, device):
+    """``y = x W^T + b``; with ``quantize`` and FP8 ops, ``W`` is e4m3 with 128x128 block scales and the FP8
+    path of the linear backend runs it (the bias stays in the model dtype)."""
+
+    def __init__(self, ops: Ops, in_features: int, out_features: int, bias: bool, dtype, device,
+                 quantize: bool = False):
         super().__init__()
         self.ops = ops
-        self.weight = _param((out_features, in_features), dtype, device)
+        fp8 = quantize and _fp8(ops)
+        self.weight = _param((out_features, in_features), FP8_DTYPE if fp8 else dtype, device)
+        self.weight_scale_inv = _param(block_scale_shape(out_features, in_features), torch.float32,
+                                       device) if fp8 else None
         self.bias = _param((out_features,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale_inv is not None:
+            return self.ops.linear.linear_fp8(x, self.weight, self.weight_scale_inv, self.bias)
         return self.ops.linear.linear(x, self.weight, self.bias)
 
 
@@ -62,8 +84,9 @@ class Attention(nn.Module):
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.eps = arch.rms_norm_eps
-        self.qkv_proj = Linear(ops, arch.hidden_size, self.q_size + 2 * self.kv_size, arch.qkv_bias, dtype, device)
-        self.o_proj = Linear(ops, self.q_size, arch.hidden_size, arch.o_bias, dtype, device)
+        self.qkv_proj = Linear(ops, arch.hidden_size, self.q_size + 2 * self.kv_size, arch.qkv_bias, dtype, device,
+                               quantize=True)
+        self.o_proj = Linear(ops, self.q_size, arch.hidden_size, arch.o_bias, dtype, device, quantize=True)
         self.qk_norm = arch.qk_norm
         if arch.qk_norm:
             self.q_norm = _param((arch.head_dim,), dtype, device)
@@ -83,11 +106,12 @@ class Attention(nn.Module):
 
     def entries(self, prefix: str) -> dict[str, Entry]:
         w, qs, ks = self.qkv_proj.weight, self.q_size, self.kv_size
+        sc = self.qkv_proj.weight_scale_inv
         e = {
-            f"{prefix}.q_proj.weight": Entry(w, (slice(0, qs),)),
-            f"{prefix}.k_proj.weight": Entry(w, (slice(qs, qs + ks),)),
-            f"{prefix}.v_proj.weight": Entry(w, (slice(qs + ks, qs + 2 * ks),)),
-            f"{prefix}.o_proj.weight": Entry(self.o_proj.weight),
+            f"{prefix}.q_proj.weight": Entry(w, (slice(0, qs),), scale=sc),
+            f"{prefix}.k_proj.weight": Entry(w, (slice(qs, qs + ks),), scale=sc),
+            f"{prefix}.v_proj.weight": Entry(w, (slice(qs + ks, qs + 2 * ks),), scale=sc),
+            f"{prefix}.o_proj.weight": Entry(self.o_proj.weight, scale=self.o_proj.weight_scale_inv),
         }
         if self.qkv_proj.bias is not None:
             b = self.qkv_proj.bias
@@ -106,23 +130,28 @@ class DenseMLP(nn.Module):
     def __init__(self, ops: Ops, hidden: int, intermediate: int, dtype, device):
         super().__init__()
         self.ops, self.intermediate = ops, intermediate
-        self.gate_up_proj = Linear(ops, hidden, 2 * intermediate, False, dtype, device)
-        self.down_proj = Linear(ops, intermediate, hidden, False, dtype, device)
+        self.gate_up_proj = Linear(ops, hidden, 2 * intermediate, False, dtype, device, quantize=True)
+        self.down_proj = Linear(ops, intermediate, hidden, False, dtype, device, quantize=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.activation.silu_and_mul(self.gate_up_proj(x)))
 
     def entries(self, prefix: str) -> dict[str, Entry]:
-        w, i = self.gate_up_proj.weight, self.intermediate
+        w, i, sc = self.gate_up_proj.weight, self.intermediate, self.gate_up_proj.weight_scale_inv
         return {
-            f"{prefix}.gate_proj.weight": Entry(w, (slice(0, i),)),
-            f"{prefix}.up_proj.weight": Entry(w, (slice(i, 2 * i),)),
-            f"{prefix}.down_proj.weight": Entry(self.down_proj.weight),
+            f"{prefix}.gate_proj.weight": Entry(w, (slice(0, i),), scale=sc),
+            f"{prefix}.up_proj.weight": Entry(w, (slice(i, 2 * i),), scale=sc),
+            f"{prefix}.down_proj.weight": Entry(self.down_proj.weight, scale=self.down_proj.weight_scale_inv),
         }
 
 
 class SparseMoE(nn.Module):
-    """Router, routed experts, and an optional (optionally gated) shared expert."""
+    """Router, routed experts, and an optional (optionally gated) shared expert.
+
+    Routing runs ``self.router`` when the MoE backend installed one in ``prepare`` (e.g. FlashInfer's fused
+    DeepSeek-V3 top-k on a GPU; ``routing_impl`` names it), else the torch reference. FP8 experts run the
+    backend's FP8 path when it has one (``serves_fp8``), else the torch FP8 reference.
+    """
 
     def __init__(self, ops: Ops, arch: ArchConfig, dtype, device):
         super().__init__()
@@ -130,11 +159,17 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k = arch.num_experts, arch.routing.top_k
         h, i, e = arch.hidden_size, arch.moe_intermediate_size, arch.num_experts
         self.intermediate = i
-        self.gate = Linear(ops, h, e, False, dtype, device)
-        self.w13 = _param((e, 2 * i, h), dtype, device)
-        self.w2 = _param((e, h, i), dtype, device)
+        self.router_fp32 = arch.router_fp32
+        self.gate = Linear(ops, h, e, False, torch.float32 if arch.router_fp32 else dtype, device)
+        fp8 = _fp8(ops)
+        self.w13 = _param((e, 2 * i, h), FP8_DTYPE if fp8 else dtype, device)
+        self.w2 = _param((e, h, i), FP8_DTYPE if fp8 else dtype, device)
+        self.w13_scale_inv = _param((e, *block_scale_shape(2 * i, h)), torch.float32, device) if fp8 else None
+        self.w2_scale_inv = _param((e, *block_scale_shape(h, i)), torch.float32, device) if fp8 else None
         self.w13_order = "gate_up"
         self.correction_bias = _param((e,), torch.float32, device) if arch.routing_correction_bias else None
+        self.router = None
+        self.routing_impl = "torch"
         self.shared_expert = None
         self.shared_expert_gate = None
         if arch.shared_expert_intermediate_size:
@@ -142,10 +177,19 @@ class SparseMoE(nn.Module):
             if arch.shared_expert_gate:
                 self.shared_expert_gate = Linear(ops, h, 1, False, dtype, device)
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights float32 [T, k], ids int32 [T, k])`` for the tokens ``x``."""
+        logits = self.gate(x.float() if self.router_fp32 else x)
+        if self.router is not None:
+            return self.router(logits, self.correction_bias)
+        return select_experts(logits, self.routing, self.correction_bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
-        weights, ids = select_experts(logits, self.routing, self.correction_bias)
-        out = self.ops.moe.experts(x, weights, ids, self)
+        weights, ids = self.route(x)
+        if self.w13_scale_inv is not None and not getattr(self.ops.moe, "serves_fp8", False):
+            out = experts_fp8_reference(x, weights, ids, self)
+        else:
+            out = self.ops.moe.experts(x, weights, ids, self)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -157,16 +201,17 @@ class SparseMoE(nn.Module):
         i = self.intermediate
         e: dict[str, Entry] = {f"{prefix}.gate.weight": Entry(self.gate.weight)}
         per_expert_13, per_expert_2 = [], []
+        s13, s2 = self.w13_scale_inv, self.w2_scale_inv
         for x in range(self.num_experts):
             p = f"{prefix}.experts.{x}"
-            e[f"{p}.gate_proj.weight"] = Entry(self.w13, (x, slice(0, i)))
-            e[f"{p}.up_proj.weight"] = Entry(self.w13, (x, slice(i, 2 * i)))
-            e[f"{p}.down_proj.weight"] = Entry(self.w2, (x,))
+            e[f"{p}.gate_proj.weight"] = Entry(self.w13, (x, slice(0, i)), scale=s13)
+            e[f"{p}.up_proj.weight"] = Entry(self.w13, (x, slice(i, 2 * i)), scale=s13)
+            e[f"{p}.down_proj.weight"] = Entry(self.w2, (x,), scale=s2)
             per_expert_13 += [f"{p}.gate_proj.weight", f"{p}.up_proj.weight"]
             per_expert_2.append(f"{p}.down_proj.weight")
         # Stacked layouts (transformers 5 in memory, some exporters): one tensor for all experts.
-        e[f"{prefix}.experts.gate_up_proj"] = Entry(self.w13, (), tuple(per_expert_13))
-        e[f"{prefix}.experts.down_proj"] = Entry(self.w2, (), tuple(per_expert_2))
+        e[f"{prefix}.experts.gate_up_proj"] = Entry(self.w13, (), tuple(per_expert_13), scale=s13)
+        e[f"{prefix}.experts.down_proj"] = Entry(self.w2, (), tuple(per_expert_2), scale=s2)
         if self.correction_bias is not None:
             e[f"{prefix}.gate.e_score_correction_bias"] = Entry(self.correction_bias)
         if self.shared_expert is not None:

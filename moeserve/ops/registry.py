@@ -65,8 +65,9 @@ SPECS: dict[str, list[BackendSpec]] = {
     ],
     "linear": [
         BackendSpec("linear", "flashinfer", "moeserve.ops.linear:FlashInferFp8Linear",
-                    Requirements(cuda=True, capabilities=((9, 0),), packages=_FI, quantization=("fp8",)),
-                    "FlashInfer SM90 FP8 block-scale GEMM"),
+                    Requirements(cuda=True, capabilities=((9, 0),), packages=_FI, quantization=("fp8",),
+                                 dtypes=(torch.bfloat16,)),
+                    "FlashInfer SM90 FP8 block-scale GEMM (fp8_blockscale_gemm_sm90), bf16 activations"),
         BackendSpec("linear", "torch", "moeserve.ops.linear:TorchLinear", Requirements(),
                     "torch matmul (cuBLAS on GPU)"),
     ],

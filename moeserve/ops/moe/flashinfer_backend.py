@@ -3,12 +3,20 @@
 Two traps, both handled here: its first GEMM wants the *up* rows before the *gate* rows (``w31``), the
 opposite of moeserve's ``w13``, so ``prepare`` swaps the halves of every expert in place (no second
 copy of the weights); and it returns a list whose first element is the output.
+
+Block-FP8 experts run the DeepSeek FP8 block-scale path (``use_deepseek_fp8_block_scale=True``, sm90 only,
+bf16 activations quantised 1x128 inside the kernel, ``quant_scales=[fc1_scales, fc2_scales]`` of shapes
+``[E, 2I/128, H/128]`` and ``[E, H/128, I/128]``); ``prepare`` swaps the gate and up *scale* blocks with the
+weight rows, which needs ``I`` and ``H`` to be multiples of 128. DeepSeek-V3 routing uses FlashInfer's
+fused top-k kernel when it applies (see ``routing.install_router``).
 """
 from __future__ import annotations
 
 import torch
 
 from moeserve.ops import flashinfer_env  # noqa: F401
+from moeserve.ops.moe.routing import install_router
+from moeserve.quant.fp8 import BLOCK
 
 
 def w13_to_w31_(w13: torch.Tensor) -> None:
@@ -18,21 +26,60 @@ def w13_to_w31_(w13: torch.Tensor) -> None:
         w13[e] = torch.cat([w13[e, inter:], w13[e, :inter]], dim=0)
 
 
+def swap_halves_(t: torch.Tensor, rows: int) -> None:
+    """Swap rows ``[0, rows)`` and ``[rows, 2 rows)`` of each ``t[e]`` in place (any dtype, incl. fp8)."""
+    raw = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    for e in range(raw.shape[0]):
+        raw[e] = torch.cat([raw[e, rows:], raw[e, :rows]], dim=0)
+
+
+def fp8_layout_problem(inter: int, hidden: int) -> str | None:
+    """None when the FP8 block-scale CUTLASS path can take these expert sizes, else why not."""
+    if inter % BLOCK or hidden % BLOCK:
+        return (f"FlashInfer's FP8 block-scale MoE needs moe_intermediate_size ({inter}) and hidden_size ({hidden}) "
+                f"to be multiples of {BLOCK}")
+    return None
+
+
 class FlashInferMoE:
     name = "flashinfer"
+    serves_fp8 = True
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         from flashinfer.fused_moe import cutlass_fused_moe
         self._fn = cutlass_fused_moe
         self.device = device
+        self.dtype = dtype
+        self.routing_logged: set[tuple] = set()
 
     def prepare(self, layer) -> None:
+        install_router(layer, self.device, self.routing_logged, self.name)
+        scales = getattr(layer, "w13_scale_inv", None)
+        if scales is not None:
+            inter, hidden = layer.w2.shape[2], layer.w2.shape[1]
+            why = fp8_layout_problem(inter, hidden)
+            if why is None and self.dtype != torch.bfloat16:
+                why = f"FlashInfer's FP8 block-scale MoE takes bfloat16 activations; dtype is {self.dtype}"
+            if why is None and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) != (9, 0):
+                why = "FlashInfer's FP8 block-scale MoE (use_deepseek_fp8_block_scale) runs on sm90 only"
+            if why is not None:
+                raise ValueError(f"backends.moe: 'flashinfer': {why}; use backends.moe: triton")
         if getattr(layer, "w13_order", "gate_up") == "gate_up":
             with torch.no_grad():
-                w13_to_w31_(layer.w13.data)
+                if scales is None:
+                    w13_to_w31_(layer.w13.data)
+                else:
+                    inter = layer.w2.shape[2]
+                    swap_halves_(layer.w13.data, inter)
+                    swap_halves_(scales.data, inter // BLOCK)
             layer.w13_order = "up_gate"
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer) -> torch.Tensor:
+        scales = getattr(layer, "w13_scale_inv", None)
+        if scales is not None:
+            out = self._fn(x, topk_ids.to(torch.int32), topk_weights.to(torch.float32), layer.w13, layer.w2,
+                           x.dtype, quant_scales=[scales, layer.w2_scale_inv], use_deepseek_fp8_block_scale=True)
+            return out[0]
         out = self._fn(x, topk_ids.to(torch.int32), topk_weights.to(torch.float32), layer.w13, layer.w2,
                        x.dtype, quant_scales=[])
         return out[0]

@@ -9,12 +9,19 @@ Three schemes:
 - ``llama4``: top-k on the raw logits; the weight is the sigmoid of the chosen logit (Llama 4).
 
 All return ``(weights float32 [T, k], ids int32 [T, k])``.
+
+On a GPU, DeepSeek-V3 routing can also run FlashInfer's fused kernel (``FusedDeepseekRouter``); a GPU MoE
+backend installs it on a layer with ``install_router`` when the kernel's limits allow, and the torch
+functions here stay the reference and the fallback.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger("moeserve")
 
 
 @dataclass(frozen=True)
@@ -74,3 +81,93 @@ def select_experts(logits: torch.Tensor, cfg: RoutingConfig, correction_bias: to
         return deepseek_v3_topk(logits, correction_bias, cfg.top_k, cfg.n_group, cfg.topk_group,
                                 cfg.routed_scaling_factor, cfg.renormalize)
     return llama4_topk(logits, cfg.top_k)
+
+
+# --- DeepSeek-V3 routing on the GPU: FlashInfer's fused kernel ------------------------------------
+
+FUSED_DEEPSEEK_CAPABILITIES = ((8, 9), (9, 0), (10, 0), (10, 3), (12, 0), (12, 1))
+FUSED_DEEPSEEK_MAX_TOPK = 8
+
+
+def fused_deepseek_unsupported(cfg: RoutingConfig, num_experts: int, device: torch.device) -> str | None:
+    """None when ``flashinfer.fused_moe.fused_topk_deepseek`` computes ``cfg`` on ``device``, else why not.
+
+    The limits are the kernel's (``csrc/fused_moe/noAuxTcKernels.cu``): top-k <= 8; without groups at most
+    384 experts; with groups at most 256 experts, one warp per group (at most 8 groups of at most 32
+    experts), at most 4 chosen groups and 128 experts in them. The kernel always renormalises the chosen
+    weights, so ``norm_topk_prob: false`` stays on torch. (FlashInfer's Python-side check also demands
+    ``topk_group * n_group >= top_k``, which refuses ungrouped routing such as GLM-4.5's; the router calls the
+    kernel with ``skip_check=True`` after this check instead.)
+    """
+    if cfg.method != "deepseek_v3":
+        return f"routing is {cfg.method}"
+    if device.type != "cuda":
+        return "needs a CUDA GPU"
+    cc = torch.cuda.get_device_capability(device)
+    if cc not in FUSED_DEEPSEEK_CAPABILITIES:
+        return f"not on sm{cc[0]}{cc[1]}"
+    if not cfg.renormalize:
+        return "the fused kernel always renormalises the chosen weights (norm_topk_prob is false)"
+    if cfg.top_k > FUSED_DEEPSEEK_MAX_TOPK:
+        return f"top_k {cfg.top_k} > {FUSED_DEEPSEEK_MAX_TOPK}"
+    if cfg.n_group > 1:
+        per_group = num_experts // cfg.n_group
+        if num_experts % cfg.n_group or cfg.topk_group > cfg.n_group or per_group * cfg.topk_group < cfg.top_k:
+            return (f"n_group {cfg.n_group} / topk_group {cfg.topk_group} do not fit {num_experts} experts, "
+                    f"top-{cfg.top_k}")
+        if (num_experts > 256 or cfg.n_group > 8 or per_group > 32 or cfg.topk_group > 4
+                or per_group * cfg.topk_group > 128):
+            return (f"grouped routing over {num_experts} experts in {cfg.n_group} groups of {per_group} experts, "
+                    f"{cfg.topk_group} chosen, exceeds the kernel (max 256 experts, 8 groups, 32 experts per "
+                    "group, 4 chosen groups, 128 experts in them)")
+    elif num_experts > 384:
+        return f"{num_experts} experts without groups (max 384)"
+    import importlib.util
+    if importlib.util.find_spec("flashinfer") is None:
+        return "flashinfer is not installed"
+    return None
+
+
+class FusedDeepseekRouter:
+    """DeepSeek-V3 routing through ``fused_topk_deepseek``: float32 scores and bias in, ``(weights float32
+    [T, k], ids int32 [T, k])`` out, no host synchronisation (capturable in a CUDA graph)."""
+
+    name = "flashinfer_fused_topk_deepseek"
+
+    def __init__(self, cfg: RoutingConfig, num_experts: int, device: torch.device):
+        from moeserve.ops import flashinfer_env  # noqa: F401
+        from flashinfer.fused_moe import fused_topk_deepseek
+        self._fn = fused_topk_deepseek
+        self.cfg = cfg
+        self._zero_bias = torch.zeros(num_experts, dtype=torch.float32, device=device)
+
+    def __call__(self, logits: torch.Tensor, correction_bias: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        scores = logits.float().contiguous()
+        bias = self._zero_bias if correction_bias is None else correction_bias.float().contiguous()
+        t = scores.shape[0]
+        weights = torch.empty((t, c.top_k), dtype=torch.float32, device=scores.device)
+        ids = torch.empty((t, c.top_k), dtype=torch.int32, device=scores.device)
+        if t:
+            self._fn(scores, bias, c.n_group, c.topk_group, c.top_k, c.routed_scaling_factor, weights, ids,
+                     launch_with_pdl=False, skip_check=True)
+        return weights, ids
+
+
+def gpu_router(cfg: RoutingConfig, num_experts: int, device: torch.device):
+    """``(router or None, name, reason)``: the fused router when it applies, else None (torch routing)."""
+    why = fused_deepseek_unsupported(cfg, num_experts, device)
+    if why is not None:
+        return None, "torch", why
+    return FusedDeepseekRouter(cfg, num_experts, device), FusedDeepseekRouter.name, None
+
+
+def install_router(layer, device: torch.device, logged: set, backend: str) -> None:
+    """Give ``layer`` the GPU router for its routing when one applies; log the choice once per kind."""
+    router, name, why = gpu_router(layer.routing, layer.num_experts, device)
+    layer.router, layer.routing_impl = router, name
+    key = (layer.routing.method, name, why)
+    if layer.routing.method == "deepseek_v3" and key not in logged:
+        logged.add(key)
+        log.info("moe %s: deepseek_v3 routing runs %s%s", backend, name, f" ({why})" if why else "")

@@ -1,33 +1,54 @@
-"""moeserve's fused MoE Triton kernel as a MoE backend, with tuned per-shape configs."""
+"""moeserve's fused MoE Triton kernel as a MoE backend, with tuned per-shape configs.
+
+High-precision experts run ``triton_kernels.fused_moe``; block-FP8 experts run ``fp8_triton.fused_moe_fp8``.
+DeepSeek-V3 routing uses FlashInfer's fused top-k kernel when the GPU and routing shape allow it
+(``routing.gpu_router``), else torch; each layer's choice is in ``layer.routing_impl`` and is logged once.
+"""
 from __future__ import annotations
 
 import logging
 
 import torch
 
+from moeserve.ops.moe.routing import install_router
+
 log = logging.getLogger("moeserve")
 
 
 class TritonMoE:
     name = "triton"
+    serves_fp8 = True
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
-        from moeserve.ops.moe import triton_configs, triton_kernels
+        from moeserve.ops.moe import fp8_triton, triton_configs, triton_kernels
         self._kernels = triton_kernels
+        self._fp8 = fp8_triton
         self._configs = triton_configs
+        self.device = device
         self.dtype = dtype
         self.untuned: set[tuple] = set()
+        self.routing_logged: set[tuple] = set()
 
     def prepare(self, layer) -> None:
+        install_router(layer, self.device, self.routing_logged, self.name)
         e, two_i, h = layer.w13.shape
-        shape = (e, two_i // 2, h)
+        fp8 = getattr(layer, "w13_scale_inv", None) is not None
+        shape = (e, two_i // 2, h, fp8)
         if shape in self.untuned:
             return
-        _, tuned = self._configs.get_config(1, e, two_i // 2, h, layer.top_k, self.dtype)
+        if fp8:
+            _, tuned = self._fp8.get_fp8_config(1, e, two_i // 2, h, layer.top_k)
+        else:
+            _, tuned = self._configs.get_config(1, e, two_i // 2, h, layer.top_k, self.dtype)
         if not tuned:
             self.untuned.add(shape)
+            kind = "fp8_w8a8 block [128,128]" if fp8 else str(self.dtype).removeprefix("torch.")
             log.warning("triton MoE: no tuned config for E=%d N=%d H=%d %s on %s; using the default heuristic",
-                        e, two_i // 2, h, str(self.dtype).removeprefix("torch."), self._configs.device_name())
+                        e, two_i // 2, h, kind, self._configs.device_name())
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer) -> torch.Tensor:
+        if getattr(layer, "w13_scale_inv", None) is not None:
+            return self._fp8.fused_moe_fp8(x, layer.w13, layer.w13_scale_inv, layer.w2, layer.w2_scale_inv,
+                                           topk_weights, topk_ids)
         return self._kernels.fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids)
+
