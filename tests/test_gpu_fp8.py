@@ -205,7 +205,7 @@ def _separated_logits(T, E, n_group, topk_group, top_k, bias, gen):
 def test_fused_topk_deepseek_matches_torch(T, E, top_k, n_group, topk_group, scale):
     from moeserve.ops.moe.routing import FusedDeepseekRouter, fused_deepseek_unsupported
     cfg = RoutingConfig("deepseek_v3", top_k, True, n_group, topk_group, scale)
-    assert fused_deepseek_unsupported(cfg, E, dev()) is None
+    assert fused_deepseek_unsupported(cfg, E, torch.cuda.get_device_capability(dev())) is None
     gen = torch.Generator(device=dev()).manual_seed(T + E)
     bias = (torch.rand(E, device=dev(), generator=gen) - 0.5) * 0.1
     logits, ok = _separated_logits(T, E, n_group, topk_group, top_k, bias, gen)

@@ -311,7 +311,8 @@ def run_offline(args) -> int:
     elem = {"float32": 4, "bfloat16": 2, "float16": 2}[str(dtype).removeprefix("torch.")]
     try:
         bw = measure_copy_bandwidth(device)
-        fp8 = cfg.quantization == "fp8"
+        from moeserve.quant.config import engine_quantization
+        fp8 = engine_quantization(cfg, source.config) == "fp8"
         result["roofline"] = roofline_table(arch, b.concurrency, b.prompt_len, b.output_len, bw, elem,
                                             1 if cfg.kv_cache_dtype == "fp8" else elem, 1 if fp8 else elem)
         log(f"roofline: copy bandwidth {bw['bytes_per_s'] / 1e9:,.1f} GB/s on {device}")

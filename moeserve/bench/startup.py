@@ -257,7 +257,7 @@ def run(args) -> int:
             else:
                 spec = {"engine": "vllm" if mode.startswith("vllm") else "moeserve", "mode": mode,
                         "prompt_token_ids": ids}
-                config = cfg.model_dump()
+                config = cfg.model_dump(exclude_unset=True)
                 if mode == "cold":
                     env = dirs["cold"] = fresh("cold")
                     config["kernel_cache_dir"] = None

@@ -141,13 +141,8 @@ def moe_routing(t: Target) -> list[KernelModule]:
     model's routing fits it (``moeserve.ops.moe.routing.fused_deepseek_unsupported`` decides)."""
     if t.routing is None or getattr(t.routing, "method", None) != "deepseek_v3":
         return []
-    from unittest import mock
-
     from moeserve.ops.moe.routing import fused_deepseek_unsupported
-    # The check reads the capability from the device; here the target's stands in for a GPU's.
-    with mock.patch("torch.cuda.get_device_capability", return_value=t.arch.capability):
-        why = fused_deepseek_unsupported(t.routing, t.num_experts, torch.device("cuda", 0))
-    if why is not None:
+    if fused_deepseek_unsupported(t.routing, t.num_experts, t.arch.capability) is not None:
         return []
     return [KernelModule("routing", "moe", "flashinfer", "fused DeepSeek-V3 top-k routing",
                          "flashinfer.jit.dsv3_optimizations:gen_dsv3_fused_routing_module", weight=10)]
@@ -189,16 +184,19 @@ def target_for_config(cfg: EngineConfig, arch: Arch | str) -> tuple[Target, dict
     """The target and the backend each operator resolves to, for ``cfg`` on a GPU of ``arch``."""
     from moeserve.engine.runner import resolve_dtype
     from moeserve.models import arch_from_hf
+    from moeserve.quant.config import engine_quantization
 
     arch = parse_arch(arch) if isinstance(arch, str) else arch
-    model = arch_from_hf(resolve_model_source(cfg.model, cfg.weights_dir).config)
+    source = resolve_model_source(cfg.model, cfg.weights_dir)
+    model = arch_from_hf(source.config)
     device = torch.device("cuda", 0)
     dtype = resolve_dtype(cfg.dtype, model.torch_dtype, device)
     kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else torch.float8_e4m3fn
     hw = hardware_for_arch(arch)
-    backends = {op: registry.resolve(op, getattr(cfg.backends, op), hw, device, dtype, cfg.quantization).name
+    quantization = engine_quantization(cfg, source.config)
+    backends = {op: registry.resolve(op, getattr(cfg.backends, op), hw, device, dtype, quantization).name
                 for op in OPERATORS}
-    target = Target(arch, dtype, kv_dtype, model.num_heads, model.num_kv_heads, model.head_dim, cfg.quantization,
+    target = Target(arch, dtype, kv_dtype, model.num_heads, model.num_kv_heads, model.head_dim, quantization,
                     model.num_experts, model.routing)
     return target, backends
 

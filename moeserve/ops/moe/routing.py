@@ -89,8 +89,10 @@ FUSED_DEEPSEEK_CAPABILITIES = ((8, 9), (9, 0), (10, 0), (10, 3), (12, 0), (12, 1
 FUSED_DEEPSEEK_MAX_TOPK = 8
 
 
-def fused_deepseek_unsupported(cfg: RoutingConfig, num_experts: int, device: torch.device) -> str | None:
-    """None when ``flashinfer.fused_moe.fused_topk_deepseek`` computes ``cfg`` on ``device``, else why not.
+def fused_deepseek_unsupported(cfg: RoutingConfig, num_experts: int, capability: tuple[int, int] | None
+                               ) -> str | None:
+    """None when ``flashinfer.fused_moe.fused_topk_deepseek`` computes ``cfg`` on a GPU of ``capability``
+    (None: no GPU), else why not.
 
     The limits are the kernel's (``csrc/fused_moe/noAuxTcKernels.cu``): top-k <= 8; without groups at most
     384 experts; with groups at most 256 experts, one warp per group (at most 8 groups of at most 32
@@ -101,9 +103,9 @@ def fused_deepseek_unsupported(cfg: RoutingConfig, num_experts: int, device: tor
     """
     if cfg.method != "deepseek_v3":
         return f"routing is {cfg.method}"
-    if device.type != "cuda":
+    if capability is None:
         return "needs a CUDA GPU"
-    cc = torch.cuda.get_device_capability(device)
+    cc = tuple(capability)
     if cc not in FUSED_DEEPSEEK_CAPABILITIES:
         return f"not on sm{cc[0]}{cc[1]}"
     if not cfg.renormalize:
@@ -157,7 +159,8 @@ class FusedDeepseekRouter:
 
 def gpu_router(cfg: RoutingConfig, num_experts: int, device: torch.device):
     """``(router or None, name, reason)``: the fused router when it applies, else None (torch routing)."""
-    why = fused_deepseek_unsupported(cfg, num_experts, device)
+    cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    why = fused_deepseek_unsupported(cfg, num_experts, cc)
     if why is not None:
         return None, "torch", why
     return FusedDeepseekRouter(cfg, num_experts, device), FusedDeepseekRouter.name, None
