@@ -307,11 +307,11 @@ def test_missing_cuda_headers_say_what_to_install(tmp_path):
     from moeserve.kernels.toolchain import ToolchainError, find_header_dirs
     home = tmp_path / "cuda"
     (home / "include").mkdir(parents=True)
-    with pytest.raises(ToolchainError, match="pip install nvidia-cublas nvidia-curand"):
+    with pytest.raises(ToolchainError, match="pip install nvidia-cublas nvidia-cuda-nvrtc nvidia-curand"):
         find_header_dirs(home, "13", [])
     extra = tmp_path / "inc"
     extra.mkdir()
-    for h in ("cublasLt.h", "curand_kernel.h"):
+    for h in ("cublasLt.h", "curand_kernel.h", "nvrtc.h"):
         (extra / h).write_text("")
     assert find_header_dirs(home, "13", [str(extra)]) == [extra]
 

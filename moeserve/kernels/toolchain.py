@@ -1,10 +1,11 @@
 """The CUDA toolchain ``moeserve precompile`` compiles FlashInfer's modules with, on a machine without a GPU.
 
-FlashInfer's JIT needs nvcc, the cuBLAS and cuRAND headers (``cublasLt.h`` is included even by the norm
-kernels; ``curand_kernel.h`` by sampling), and a ``libcuda.so`` to link against (``-lcuda``). A bare CUDA
-toolkit may lack the last two: the headers can come from the ``nvidia-cublas`` / ``nvidia-curand`` wheels,
-and an empty ``libcuda.so`` with the driver's soname is enough to link, since the real driver resolves the
-symbols when the module is loaded on the GPU machine.
+FlashInfer's JIT needs nvcc, the cuBLAS, cuRAND and NVRTC headers (``cublasLt.h`` is included even by the
+norm kernels; ``curand_kernel.h`` by sampling; ``nvrtc.h`` by the TensorRT-LLM FP8 GEMM and MoE modules),
+and ``libcuda.so`` / ``libnvrtc.so`` to link against (``-lcuda``, ``-lnvrtc``). A bare CUDA toolkit may lack
+them: the headers can come from the ``nvidia-cublas`` / ``nvidia-curand`` / ``nvidia-cuda-nvrtc`` wheels,
+and an empty library with the real one's soname is enough to link, since the GPU machine's driver and
+CUDA runtime resolve the symbols when the module is loaded there.
 """
 from __future__ import annotations
 
@@ -17,13 +18,13 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REQUIRED_HEADERS = {"cublasLt.h": "nvidia-cublas", "curand_kernel.h": "nvidia-curand"}
+REQUIRED_HEADERS = {"cublasLt.h": "nvidia-cublas", "curand_kernel.h": "nvidia-curand", "nvrtc.h": "nvidia-cuda-nvrtc"}
 
 
 def header_packages(headers: list[str], cuda_major: str) -> str:
     """pip names of the wheels holding ``headers``: ``nvidia-cublas`` for CUDA 13, ``nvidia-cublas-cu12`` before."""
     suffix = "" if int(cuda_major) >= 13 else f"-cu{cuda_major}"
-    return " ".join(REQUIRED_HEADERS[h] + suffix for h in headers)
+    return " ".join(sorted({REQUIRED_HEADERS[h] + suffix for h in headers}))
 
 
 class ToolchainError(RuntimeError):
@@ -112,7 +113,7 @@ def _python_package_include_dirs(cuda_major: str) -> list[Path]:
     roots = list(spec.submodule_search_locations or []) if spec is not None else []
     dirs: list[Path] = []
     for root in roots:
-        for sub in (f"cu{cuda_major}/include", "cublas/include", "curand/include"):
+        for sub in (f"cu{cuda_major}/include", "cublas/include", "curand/include", "cuda_nvrtc/include"):
             d = Path(root) / sub
             if d.is_dir():
                 dirs.append(d)
@@ -142,37 +143,42 @@ def find_header_dirs(cuda_home: Path, cuda_major: str, extra: list[str] | None =
     return chosen
 
 
-def _linker_finds_libcuda(cuda_home: Path) -> Path | None:
-    """A ``libcuda.so`` the link step (``-L$cuda_home/lib64 -L$cuda_home/lib64/stubs -lcuda``) can use."""
+def _linker_finds(cuda_home: Path, lib: str) -> Path | None:
+    """A ``lib`` (e.g. ``libcuda.so``) the link step (``-L$cuda_home/lib64 -L$cuda_home/lib64/stubs``) can use."""
     dirs = [cuda_home / "lib64", cuda_home / "lib64" / "stubs", Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib64"),
             Path("/usr/lib/aarch64-linux-gnu"), Path("/lib/x86_64-linux-gnu"), Path("/usr/lib")]
     for d in dirs:
-        if (d / "libcuda.so").exists():
+        if (d / lib).exists():
             return d
     return None
 
 
-def _toolkit_stub_dir(cuda_home: Path) -> Path | None:
+def _toolkit_stub_dir(cuda_home: Path, lib: str) -> Path | None:
     """The toolkit's own stub directory when it is not where FlashInfer's link line looks."""
     for d in sorted(cuda_home.glob("targets/*/lib/stubs")) + [cuda_home / "lib" / "stubs"]:
-        if (d / "libcuda.so").exists():
+        if (d / lib).exists():
             return d
     return None
+
+
+def make_stub(directory: Path, lib: str, soname: str) -> Path:
+    """An empty shared library ``lib`` with the real one's ``soname``, to link against."""
+    directory.mkdir(parents=True, exist_ok=True)
+    out = directory / lib
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise ToolchainError(f"there is no {lib} to link FlashInfer's modules against, and no C compiler "
+                             "(gcc) to make an empty stub with; install gcc or the CUDA toolkit's stubs")
+    r = subprocess.run([cc, "-shared", "-x", "c", "-", "-o", str(out), f"-Wl,-soname,{soname}"],
+                       input="", capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        raise ToolchainError(f"making a {lib} stub with {cc} failed: {r.stderr.strip()[:300]}")
+    return out
 
 
 def make_libcuda_stub(directory: Path) -> Path:
     """An empty shared library named like the driver (soname ``libcuda.so.1``), to link against."""
-    directory.mkdir(parents=True, exist_ok=True)
-    out = directory / "libcuda.so"
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise ToolchainError("there is no libcuda.so to link FlashInfer's modules against, and no C compiler "
-                             "(gcc) to make an empty stub with; install gcc or the CUDA driver stubs")
-    r = subprocess.run([cc, "-shared", "-x", "c", "-", "-o", str(out), "-Wl,-soname,libcuda.so.1"],
-                       input="", capture_output=True, text=True, timeout=60)
-    if r.returncode != 0:
-        raise ToolchainError(f"making a libcuda.so stub with {cc} failed: {r.stderr.strip()[:300]}")
-    return out
+    return make_stub(directory, "libcuda.so", "libcuda.so.1")
 
 
 def prepare_toolchain(support_dir: Path, extra_includes: list[str] | None = None,
@@ -186,11 +192,17 @@ def prepare_toolchain(support_dir: Path, extra_includes: list[str] | None = None
     cuda_home = find_cuda_home(environ)
     version = nvcc_version(cuda_home)
     extra = list(extra_includes or []) + [d for d in environ.get("MOESERVE_CUDA_INCLUDE", "").split(os.pathsep) if d]
-    tc = Toolchain(cuda_home, version, find_header_dirs(cuda_home, version.split(".")[0], extra))
-    if _linker_finds_libcuda(cuda_home) is None:
-        stub_dir = _toolkit_stub_dir(cuda_home)
+    major = version.split(".")[0]
+    tc = Toolchain(cuda_home, version, find_header_dirs(cuda_home, major, extra))
+    for lib, soname in (("libcuda.so", "libcuda.so.1"), ("libnvrtc.so", f"libnvrtc.so.{major}")):
+        if _linker_finds(cuda_home, lib) is not None:
+            continue
+        stub_dir = _toolkit_stub_dir(cuda_home, lib)
         if stub_dir is None:
-            tc.libcuda_stub = make_libcuda_stub(support_dir / "lib")
-            stub_dir = tc.libcuda_stub.parent
-        tc.link_dirs.append(stub_dir)
+            stub = make_stub(support_dir / "lib", lib, soname)
+            if lib == "libcuda.so":
+                tc.libcuda_stub = stub
+            stub_dir = stub.parent
+        if stub_dir not in tc.link_dirs:
+            tc.link_dirs.append(stub_dir)
     return tc
