@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -322,6 +323,25 @@ def test_libcuda_stub_has_the_driver_soname(tmp_path):
     from moeserve.kernels.toolchain import make_libcuda_stub
     stub = make_libcuda_stub(tmp_path)
     assert stub.is_file() and b"libcuda.so.1" in stub.read_bytes()
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None or shutil.which("readelf") is None, reason="no gcc/readelf")
+def test_module_linked_against_the_stub_needs_the_real_driver(tmp_path):
+    """A module calling the driver API must keep libcuda.so.1 in its NEEDED list (the linker drops a library
+    that defines nothing the module uses), or its driver calls stay unresolved on the GPU machine."""
+    import subprocess
+    from moeserve.kernels.toolchain import make_libcuda_stub
+    header = tmp_path / "cuda.h"
+    header.write_text("CUresult CUDAAPI cuLibraryLoadData(CUlibrary *l);\n#define cuMemAlloc cuMemAlloc_v2\n")
+    make_libcuda_stub(tmp_path / "lib", header)
+    src = tmp_path / "mod.c"
+    src.write_text("int cuLibraryLoadData(void*); int cuMemAlloc_v2(void*);\n"
+                   "int f(void) { return cuLibraryLoadData(0) + cuMemAlloc_v2(0); }\n")
+    mod = tmp_path / "mod.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,--as-needed", str(src), "-o", str(mod),
+                    f"-L{tmp_path / 'lib'}", "-lcuda"], check=True, capture_output=True)
+    needed = subprocess.run(["readelf", "-d", str(mod)], capture_output=True, text=True).stdout
+    assert "libcuda.so.1" in needed
 
 
 def test_install_kernels_commands(tmp_path):

@@ -4,8 +4,8 @@ FlashInfer's JIT needs nvcc, the cuBLAS, cuRAND and NVRTC headers (``cublasLt.h`
 norm kernels; ``curand_kernel.h`` by sampling; ``nvrtc.h`` by the TensorRT-LLM FP8 GEMM and MoE modules),
 and ``libcuda.so`` / ``libnvrtc.so`` to link against (``-lcuda``, ``-lnvrtc``). A bare CUDA toolkit may lack
 them: the headers can come from the ``nvidia-cublas`` / ``nvidia-curand`` / ``nvidia-cuda-nvrtc`` wheels,
-and an empty library with the real one's soname is enough to link, since the GPU machine's driver and
-CUDA runtime resolve the symbols when the module is loaded there.
+and a stand-in library with the real one's soname and function names is enough to link, since the GPU
+machine's driver and NVRTC resolve the symbols when the module is loaded there.
 """
 from __future__ import annotations
 
@@ -161,24 +161,48 @@ def _toolkit_stub_dir(cuda_home: Path, lib: str) -> Path | None:
     return None
 
 
-def make_stub(directory: Path, lib: str, soname: str) -> Path:
-    """An empty shared library ``lib`` with the real one's ``soname``, to link against."""
+STUB_HEADERS = {"libcuda.so": "cuda.h", "libnvrtc.so": "nvrtc.h"}
+_API_NAME = re.compile(r"\b((?:cu|nvrtc)[A-Z]\w*)\b")
+
+
+def api_names(header: Path) -> list[str]:
+    """Every ``cu*`` / ``nvrtc*`` function name a header declares or maps a name to (``#define cuX cuX_v2``)."""
+    text = header.read_text(errors="replace")
+    return sorted(set(_API_NAME.findall(text)))
+
+
+def make_stub(directory: Path, lib: str, soname: str, header: Path | None = None) -> Path:
+    """A stand-in ``lib`` with the real one's ``soname`` that defines every function ``header`` names.
+
+    The definitions matter: a library the linker finds no used symbol in is dropped from the module's
+    ``NEEDED`` list (``--as-needed``, the default of many toolchains), and then the driver or NVRTC symbols
+    the module calls stay unresolved when it is loaded on the GPU machine.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     out = directory / lib
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise ToolchainError(f"there is no {lib} to link FlashInfer's modules against, and no C compiler "
-                             "(gcc) to make an empty stub with; install gcc or the CUDA toolkit's stubs")
-    r = subprocess.run([cc, "-shared", "-x", "c", "-", "-o", str(out), f"-Wl,-soname,{soname}"],
-                       input="", capture_output=True, text=True, timeout=60)
+                             "(gcc) to make a stub with; install gcc or the CUDA toolkit's stubs")
+    names = api_names(header) if header is not None and header.is_file() else []
+    source = "".join(f"void {n}(void) {{}}\n" for n in names)
+    r = subprocess.run([cc, "-shared", "-fPIC", "-x", "c", "-", "-o", str(out), f"-Wl,-soname,{soname}"],
+                       input=source, capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
         raise ToolchainError(f"making a {lib} stub with {cc} failed: {r.stderr.strip()[:300]}")
     return out
 
 
-def make_libcuda_stub(directory: Path) -> Path:
-    """An empty shared library named like the driver (soname ``libcuda.so.1``), to link against."""
-    return make_stub(directory, "libcuda.so", "libcuda.so.1")
+def make_libcuda_stub(directory: Path, header: Path | None = None) -> Path:
+    """A stand-in driver library (soname ``libcuda.so.1``) defining the driver API ``header`` declares."""
+    return make_stub(directory, "libcuda.so", "libcuda.so.1", header)
+
+
+def _find_header(name: str, cuda_home: Path, include_dirs: list[Path]) -> Path | None:
+    for d in [cuda_home / "include", *include_dirs]:
+        if (d / name).is_file():
+            return d / name
+    return None
 
 
 def prepare_toolchain(support_dir: Path, extra_includes: list[str] | None = None,
@@ -199,7 +223,8 @@ def prepare_toolchain(support_dir: Path, extra_includes: list[str] | None = None
             continue
         stub_dir = _toolkit_stub_dir(cuda_home, lib)
         if stub_dir is None:
-            stub = make_stub(support_dir / "lib", lib, soname)
+            header = _find_header(STUB_HEADERS[lib], cuda_home, tc.include_dirs)
+            stub = make_stub(support_dir / "lib", lib, soname, header)
             if lib == "libcuda.so":
                 tc.libcuda_stub = stub
             stub_dir = stub.parent
