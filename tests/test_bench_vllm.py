@@ -160,3 +160,21 @@ def test_log_parsing_reads_vllm_lines():
     assert len(p["notes"]) == 2
     fa = parse_log("Using FLASH_ATTN attention backend out of potential backends\nUsing FlashAttention version 3\n")
     assert fa["backends"]["attention"] == "FLASH_ATTN (FA3)"
+
+
+def test_startup_worker_times_vllm_to_its_first_token(fake_vllm, tmp_path):
+    """`moeserve bench startup`'s vLLM rows go through the same LLMEngine path as the offline worker."""
+    import json
+    import subprocess
+    import sys
+    cfg, args = _args(tmp_path)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"engine": "vllm", "mode": "vllm-cold", "engine_args": args,
+                                "prompt_token_ids": [1, 2, 3, 4]}))
+    out = tmp_path / "state.json"
+    r = subprocess.run([sys.executable, "-m", "moeserve.bench.startup_worker", "--spec", str(spec), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    state = json.loads(out.read_text())
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert state["status"] == "done" and state["versions"]["vllm"] == "0.0.fake"
+    assert 0 <= state["ready_seconds"] <= state["first_token_seconds"] and state["ttft_seconds"] >= 0

@@ -91,6 +91,8 @@ def run_worker(spec: dict, work: Path, env: dict, timeout: float) -> tuple[dict,
     spec_path.write_text(json.dumps(spec, indent=1))
     out.unlink(missing_ok=True)
     full_env = dict(os.environ, **env, PYTHONUNBUFFERED="1")
+    full_env.setdefault("HF_HUB_OFFLINE", "1")  # local model directories only: never wait on a model hub
+    full_env.setdefault("VLLM_NO_USAGE_STATS", "1")
     root = str(Path(__file__).resolve().parents[2])
     full_env["PYTHONPATH"] = root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
     cmd = [sys.executable, "-m", "moeserve.bench.startup_worker", "--spec", str(spec_path), "--out", str(out)]

@@ -62,17 +62,22 @@ def run_moeserve(spec: dict, out: Path, state: dict) -> None:
 
 
 def run_vllm(spec: dict, out: Path, state: dict) -> None:
+    """vLLM's start through ``LLMEngine`` and one request stepped to its first token: the same path the
+    offline benchmark's vLLM worker takes (``moeserve.bench.vllm_worker``)."""
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
+
+    from moeserve.bench.vllm_worker import VllmAdapter, make_engine
 
     state.update(status="starting", import_seconds=since_start(), versions={"vllm": getattr(vllm, "__version__", None)})
     write_state(out, state)
-    llm = LLM(**spec["engine_args"])
+    engine = VllmAdapter(make_engine(spec["engine_args"]), SamplingParams)
     state.update(status="ready", ready_seconds=since_start())
     write_state(out, state)
     t_req = time.perf_counter()
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
-    llm.generate([{"prompt_token_ids": list(spec["prompt_token_ids"])}], params, use_tqdm=False)
+    engine.add("startup-0", list(spec["prompt_token_ids"]), 1)
+    while not any(done or n >= 1 for _, n, done in engine.step()):
+        pass
     _sync()
     state.update(status="done", first_token_seconds=since_start(), ttft_seconds=round(time.perf_counter() - t_req, 3))
 
