@@ -139,6 +139,9 @@ def run(request: dict) -> int:
         entry = old.get(spec.name)
         if request.get("force"):
             status = "missing" if not so.is_file() else "stale"
+            # ninja tracks sources and flags, not the libraries a module links: without its .so it relinks
+            # (and recompiles whatever else is out of date)
+            so.unlink(missing_ok=True)
         elif request.get("adopt") and entry is None and so.is_file():
             status = "cached"
         else:
