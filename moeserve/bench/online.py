@@ -254,7 +254,7 @@ def _result(args, model, card, info, version, rows, token_range, memory) -> dict
     label = args.label or args.backend_name
     return {
         "kind": "online", "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(shlex.quote(a) for a in sys.argv), "moeserve_version": __version__,
+        "command": shlex.join(["moeserve"] + sys.argv[1:]), "moeserve_version": __version__,
         "environment": environment, "config": config,
         "model": {"name": model, "model_type": engine_info.get("model_type"), "dtype": engine_info.get("dtype"),
                   "max_model_len": card.get("max_model_len")},
