@@ -39,7 +39,8 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help="override any config field, e.g. --set bench.runs=5")
 
 
-def config_from_args(args: argparse.Namespace) -> EngineConfig:
+def overrides_from_args(args: argparse.Namespace) -> dict:
+    """``{dotted.field: value}`` from the engine flags, ``--backend op=name`` and ``--set field=value``."""
     overrides = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg_") and v is not None}
     for item in args.backend:
         key, value = parse_override(item)
@@ -47,7 +48,11 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     for item in args.set:
         key, value = parse_override(item)
         overrides[key] = value
-    return load_config(args.config, overrides)
+    return overrides
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return load_config(args.config, overrides_from_args(args))
 
 
 def _cmd_env(args) -> int:

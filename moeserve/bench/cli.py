@@ -19,8 +19,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from moeserve.cli import add_config_args
-from moeserve.config import EngineConfig, load_config, parse_override
+from moeserve.cli import add_config_args, overrides_from_args
+from moeserve.config import EngineConfig, load_config
 
 GPU_PRESET = Path(__file__).resolve().parent.parent / "presets" / "bench-gpu.yaml"
 CPU_DEFAULTS = {"model": "tiny", "bench.prompt_len": 128, "bench.output_len": 32, "bench.concurrency": [1, 4],
@@ -116,20 +116,9 @@ def _refuse(why: str) -> int:
 
 # --- configuration ---------------------------------------------------------------------------------
 
-def _user_overrides(args) -> dict:
-    over = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg_") and v is not None}
-    for item in args.backend:
-        key, value = parse_override(item)
-        over[f"backends.{key}"] = value
-    for item in args.set:
-        key, value = parse_override(item)
-        over[key] = value
-    return over
-
-
 def resolve_config(args) -> tuple[EngineConfig, str]:
     """The run's config and a sentence saying where it came from."""
-    user = _user_overrides(args)
+    user = overrides_from_args(args)
     if args.config or "model" in user:
         return load_config(args.config, user), f"config from {'--config ' + args.config if args.config else '--model'}"
     import torch
