@@ -151,8 +151,6 @@ class EngineConfig(_Strict):
     @model_validator(mode="after")
     def _model_known(self):
         resolve_model_source(self.model, self.weights_dir)
-        if self.max_num_batched_tokens < self.max_num_seqs and self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
         return self
 
     # --- derived values -------------------------------------------------------------------------
