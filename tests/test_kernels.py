@@ -50,7 +50,28 @@ def test_qwen15_moe_on_hopper_loads_fa3_prefill_cuda_core_decode_and_the_basic_o
 def test_flashinfer_moe_backend_adds_the_sm90_cutlass_module():
     cfg = make_config(model="qwen1.5-moe-a2.7b", backends={"moe": "flashinfer"})
     moe = by_key(modules_for_config(cfg, "9.0a"))["fused_moe"]
-    assert moe.gen == "flashinfer.jit.fused_moe:gen_cutlass_fused_moe_sm90_module"
+    assert moe.gen == "moeserve.kernels.specs:gen_cutlass_fused_moe_fast_build"
+    assert moe.args == ("gen_cutlass_fused_moe_sm90_module",)
+
+
+@needs_flashinfer
+def test_fast_build_cutlass_moe_spec_keeps_flashinfers_name_and_passes_the_macro_to_nvcc(tmp_path):
+    """FlashInfer's own use_fast_build=True only reaches the host compiler; ours reaches nvcc too, and the
+    module keeps the name FlashInfer's cutlass_fused_moe asks the kernel cache for."""
+    code = ("import json\n"
+            "from flashinfer.jit import fused_moe\n"
+            "from moeserve.kernels.specs import gen_cutlass_fused_moe_fast_build\n"
+            "t = fused_moe.gen_cutlass_fused_moe_sm90_module(True)\n"
+            "o = gen_cutlass_fused_moe_fast_build('gen_cutlass_fused_moe_sm90_module')\n"
+            "print(json.dumps([[s.name, s.extra_cflags, s.extra_cuda_cflags, [str(x) for x in s.sources]]"
+            " for s in (t, o)]))\n")
+    env = dict(os.environ, FLASHINFER_WORKSPACE_BASE=str(tmp_path), FLASHINFER_CUDA_ARCH_LIST="9.0a")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    (name_t, cflags_t, cuda_t, src_t), (name_o, cflags_o, cuda_o, src_o) = json.loads(out.stdout.splitlines()[-1])
+    assert "-DFAST_BUILD" in cflags_t and "-DFAST_BUILD" not in cuda_t
+    assert name_o == name_t == "fused_moe_90"
+    assert cuda_o == [*cuda_t, "-DFAST_BUILD"] and cflags_o == cflags_t and src_o == src_t and len(src_o) > 100
 
 
 @needs_flashinfer

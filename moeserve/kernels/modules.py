@@ -128,12 +128,13 @@ CUTLASS_MOE_GEN = {
 
 
 def moe_flashinfer(t: Target) -> list[KernelModule]:
-    """``cutlass_fused_moe``: one module per architecture family with every dtype in it (large)."""
+    """``cutlass_fused_moe``: one module per architecture family with every dtype in it, built the FAST_BUILD
+    way (see ``moeserve.kernels.specs.gen_cutlass_fused_moe_fast_build``)."""
     gen = CUTLASS_MOE_GEN.get(t.arch.capability)
     if gen is None:
         return []
-    return [KernelModule("fused_moe", "moe", "flashinfer", f"CUTLASS fused MoE ({t.arch.sm})",
-                         f"flashinfer.jit.fused_moe:{gen}", (False,), weight=100)] + moe_routing(t)
+    return [KernelModule("fused_moe", "moe", "flashinfer", f"CUTLASS fused MoE ({t.arch.sm}, FAST_BUILD tiles)",
+                         "moeserve.kernels.specs:gen_cutlass_fused_moe_fast_build", (gen,), weight=100)] + moe_routing(t)
 
 
 def moe_routing(t: Target) -> list[KernelModule]:
