@@ -46,6 +46,7 @@ def test_moeserve_rows_are_positive_and_finite(bench_dir):
     assert {"ttft_s", "prefill_tok_s"} <= set(rows[("prefill", 2)])
     assert {"total_tok_s", "output_tok_s", "ttft_s"} <= set(rows[("mixed", 2)])
     assert 0 < rows[("decode", 2)]["roofline_fraction"]
+    assert 1 / 2 <= rows[("decode", 2)]["distinct_token_frac"] <= 1
 
 
 def test_decode_tok_s_matches_its_definition_from_raw_timings(bench_dir):

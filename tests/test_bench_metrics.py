@@ -119,6 +119,46 @@ def test_mixed_run_adds_one_request_per_finish_and_keeps_c_in_flight():
     assert m["ttft_s"] == pytest.approx(1.0) and math.isfinite(m["total_tok_s"])
 
 
+class TokenEngine(FakeEngine):
+    """A FakeEngine that also reports the tokens it generated: ``token(rid, i)`` is the i-th token of rid."""
+
+    def __init__(self, clock, token):
+        super().__init__(clock)
+        self.token, self.tokens = token, {}
+
+    def step(self):
+        out = super().step()
+        for rid, n, _ in out:
+            self.tokens.setdefault(rid, []).append(self.token(rid, n - 1))
+        return out
+
+    def output_token_ids(self, rid):
+        return self.tokens.pop(rid, None)
+
+
+@pytest.mark.parametrize("token, expected", [
+    (lambda rid, i: 7, 1 / 4),                       # every row decodes the same token
+    (lambda rid, i: hash(rid) % 1000 + 1000 * i, 1.0),  # every row its own
+    (lambda rid, i: int(rid[-1]) % 2, 2 / 4),          # two groups
+])
+def test_decode_reports_how_diverse_the_batch_is(token, expected):
+    clock = Clock()
+    case = WorkloadCase("decode", 4, 3, 6)
+    run = run_once(TokenEngine(clock, token), case, make_requests(case, 0, 100), clock=clock)
+    assert run["distinct_token_frac"] == pytest.approx(expected)
+    assert static_metrics(run, "decode")["distinct_token_frac"] == pytest.approx(expected)
+
+
+def test_diversity_needs_two_requests_and_ragged_outputs_count_who_is_there():
+    from moeserve.bench.workloads import distinct_token_frac
+    assert distinct_token_frac([[1, 2, 3]]) is None
+    assert distinct_token_frac([[1, 2, 3], [1, 5]]) == pytest.approx((1 / 2 + 2 / 2) / 2)
+    clock = Clock()
+    case = WorkloadCase("prefill", 3, 4, 4)
+    run = run_once(TokenEngine(clock, lambda rid, i: 1), case, make_requests(case, 0, 100), clock=clock)
+    assert "distinct_token_frac" not in run and "distinct_token_frac" not in static_metrics(run, "prefill")
+
+
 def test_a_run_that_never_finishes_times_out():
     class Stuck:
         def add(self, *a):

@@ -103,6 +103,8 @@ def test_worker_runs_the_workloads_and_reports_backends(fake_vllm, tmp_path):
     rows = {r["workload"]: r for r in e["results"]}
     assert rows["decode"]["decode_tok_s"] > 0 and rows["mixed"]["total_tok_s"] > 0
     assert all(q["num_tokens"] == 5 for q in rows["decode"]["runs"][0]["requests"])
+    # the stand-in decodes 0, 1, 2, ... in every request: the batch is never diverse
+    assert rows["decode"]["distinct_token_frac"] == pytest.approx(1 / 2)
     assert any("Using FLASH_ATTN" in line for line in logs)
 
 

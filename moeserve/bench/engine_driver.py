@@ -22,13 +22,23 @@ class MoeserveAdapter:
         from moeserve.engine.sampling_params import SamplingParams
         self.engine = engine
         self._params = SamplingParams
+        self._seqs: dict = {}
 
     def add(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:
         params = self._params(temperature=0.0, ignore_eos=True, max_tokens=max_tokens, detokenize=False)
         self.engine.add_request(prompt_token_ids, params, request_id=request_id)
 
     def step(self) -> list[tuple[str, int, bool]]:
-        return [(s.request_id, len(s.output_token_ids), s.is_finished) for s in self.engine.step()]
+        out = []
+        for s in self.engine.step():
+            self._seqs[s.request_id] = s
+            out.append((s.request_id, len(s.output_token_ids), s.is_finished))
+        return out
+
+    def output_token_ids(self, request_id: str) -> list[int] | None:
+        """The tokens the request generated; forgotten once read (one run's requests at a time)."""
+        seq = self._seqs.pop(request_id, None)
+        return list(seq.output_token_ids) if seq is not None else None
 
 
 def unavailable_entry(name: str, label: str, reason: str, **extra) -> dict:

@@ -52,6 +52,7 @@ class VllmAdapter:
         self._params = sampling_params_cls
         self._known: set[str] = set()
         self._alias: dict[str, str] = {}
+        self._tokens: dict[str, list[int]] = {}
 
     def add(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:
         params = self._params(temperature=0.0, ignore_eos=True, max_tokens=max_tokens, detokenize=False)
@@ -72,9 +73,15 @@ class VllmAdapter:
         out = []
         for o in self.engine.step():
             comp = o.outputs[0] if getattr(o, "outputs", None) else None
-            out.append((self._resolve(o.request_id), len(comp.token_ids) if comp is not None else 0,
-                        bool(o.finished)))
+            rid = self._resolve(o.request_id)
+            if comp is not None:
+                self._tokens[rid] = list(comp.token_ids)
+            out.append((rid, len(comp.token_ids) if comp is not None else 0, bool(o.finished)))
         return out
+
+    def output_token_ids(self, request_id: str) -> list[int] | None:
+        """The tokens the request generated (vLLM's default output kind is cumulative); forgotten once read."""
+        return self._tokens.pop(request_id, None)
 
 
 def make_engine(engine_args: dict):

@@ -21,6 +21,12 @@ Workloads at concurrency ``c`` (each cell is ``bench.runs`` timed runs after ``b
   finish at different times, and each time a request finishes the next one is added, so prompts
   arrive while others decode. ``total_tok_s``, ``output_tok_s``, ``request_throughput``, ``e2e_s``,
   and ``ttft_s`` = mean TTFT of the requests that arrived while others were decoding.
+
+``distinct_token_frac`` (decode, when the adapter can return the tokens it generated): the mean over
+output positions of the number of distinct token ids across the batch divided by the batch size. Random
+(dummy) weights can make greedy decoding collapse onto a few tokens; a batch that decodes the same token
+everywhere routes every row to the same experts and reads far fewer expert weights than a real model, so a
+decode figure is only comparable between engines whose batches are about as diverse.
 """
 from __future__ import annotations
 
@@ -41,6 +47,8 @@ class EngineAdapter(Protocol):
     def add(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> None: ...
 
     def step(self) -> list[tuple[str, int, bool]]: ...
+
+    # Optional: ``output_token_ids(request_id) -> list[int] | None``, the tokens a request generated.
 
 
 @dataclass(frozen=True)
@@ -136,12 +144,31 @@ def run_once(adapter: EngineAdapter, case: WorkloadCase, requests: list[Request]
             raise RuntimeError(f"{case.workload} c={c}: not finished after {timeout_s:.0f} s "
                                f"({len(finished)}/{len(requests)} requests done, {steps} steps)")
     reqs = []
+    outputs = getattr(adapter, "output_token_ids", None)
     for r in requests:
         tt = times[r.id]
         reqs.append({**info[r.id], "arrival_s": arrival[r.id] - t0, "first_token_s": tt[0] - t0,
                      "nth_token_s": tt[min(len(tt), r.max_tokens) - 1] - t0, "last_token_s": tt[-1] - t0,
                      "num_tokens": len(tt)})
-    return {"steps": steps, "requests": reqs}
+    run = {"steps": steps, "requests": reqs}
+    if outputs is not None and case.workload == "decode":
+        frac = distinct_token_frac([outputs(r.id) or [] for r in requests])
+        if frac is not None:
+            run["distinct_token_frac"] = frac
+    return run
+
+
+def distinct_token_frac(outputs: list[list[int]]) -> float | None:
+    """Mean over output positions of (distinct token ids at that position) / (requests that reached it);
+    None for fewer than two requests. 1.0: every row decodes its own token; 1/c: all rows the same."""
+    if len(outputs) < 2:
+        return None
+    fracs = []
+    for pos in range(max(len(o) for o in outputs)):
+        column = [o[pos] for o in outputs if len(o) > pos]
+        if len(column) >= 2:
+            fracs.append(len(set(column)) / len(column))
+    return statistics.fmean(fracs) if fracs else None
 
 
 # --- metrics ---------------------------------------------------------------------------------------
@@ -162,9 +189,12 @@ def static_metrics(run: dict, workload: str) -> dict:
     t_1 = max(r["first_token_s"] for r in reqs)
     t_n = max(r["nth_token_s"] for r in reqs)
     e2e = max(r["last_token_s"] for r in reqs)
-    return {"ttft_s": ttft, "decode_tok_s": _rate(c * (n - 1), t_n - t_1), "e2e_s": e2e,
-            "total_tok_s": _rate(c * (prompt_len + n), e2e), "output_tok_s": _rate(c * n, e2e),
-            "request_throughput": _rate(c, e2e)}
+    out = {"ttft_s": ttft, "decode_tok_s": _rate(c * (n - 1), t_n - t_1), "e2e_s": e2e,
+           "total_tok_s": _rate(c * (prompt_len + n), e2e), "output_tok_s": _rate(c * n, e2e),
+           "request_throughput": _rate(c, e2e)}
+    if "distinct_token_frac" in run:
+        out["distinct_token_frac"] = run["distinct_token_frac"]
+    return out
 
 
 def mixed_metrics(run: dict) -> dict:
