@@ -56,6 +56,9 @@ class VllmBaselineConfig(_Strict):
     configs: list[str] = Field(default_factory=lambda: ["default", "flashinfer"])
     start_timeout_s: float = Field(900.0, gt=0)
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    # With dummy weights: "moeserve" draws vLLM's random weights by moeserve's rule (N(0, initializer_range),
+    # unit norms), so both engines run the same kind of random model; "vllm" keeps vLLM's U(-1e-3, 1e-3).
+    dummy_init: Literal["moeserve", "vllm"] = "moeserve"
 
 
 class BenchConfig(_Strict):

@@ -23,6 +23,7 @@ from typing import Callable
 
 import moeserve
 from moeserve.bench.engine_driver import unavailable_entry
+from moeserve.bench.vllm_dummy import write_plugin_dist
 from moeserve.bench.workloads import WorkloadCase
 from moeserve.config import EngineConfig
 
@@ -152,25 +153,34 @@ if os.environ.get("MOESERVE_VLLM_KERNEL_CACHE"):
 '''
 
 
-def worker_env(cfg: EngineConfig, out_dir: Path, share_kernel_cache: bool) -> tuple[dict, str | None]:
-    """The worker's environment, and a note when it shares moeserve's FlashInfer kernel cache.
+def worker_env(cfg: EngineConfig, out_dir: Path, share_kernel_cache: bool,
+               dummy_weights: bool = False) -> tuple[dict, str | None]:
+    """The worker's environment, and a note saying what it changes in vLLM.
 
     With ``kernel_cache_dir`` set (and ``share_kernel_cache``), every process of the worker loads the
     FlashInfer modules that cache holds (the same FlashInfer version and GPU architecture) instead of
-    compiling them again; what is not in it, FlashInfer compiles as usual.
+    compiling them again; what is not in it, FlashInfer compiles as usual. With ``dummy_weights`` and
+    ``bench.vllm.dummy_init: moeserve``, vLLM draws its random weights by moeserve's rule
+    (:mod:`moeserve.bench.vllm_dummy`).
     """
     env = dict(os.environ)
     paths = [str(Path(moeserve.__file__).resolve().parent.parent)]
-    note = None
+    notes = []
+    site = out_dir / "vllm-site"
     if cfg.kernel_cache_dir and share_kernel_cache:
         cache = str(Path(cfg.kernel_cache_dir).expanduser().resolve())
-        site = out_dir / "vllm-site"
         site.mkdir(parents=True, exist_ok=True)
         (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-        paths.insert(0, str(site))
         env["MOESERVE_VLLM_KERNEL_CACHE"] = cache
         env["FLASHINFER_WORKSPACE_BASE"] = cache
-        note = f"FlashInfer modules in moeserve's kernel cache ({cache}) were loaded from it, not compiled again"
+        notes.append(f"FlashInfer modules in moeserve's kernel cache ({cache}) were loaded from it, not compiled again")
+    if dummy_weights and cfg.bench.vllm.dummy_init == "moeserve":
+        write_plugin_dist(site)
+        notes.append("dummy weights drawn by moeserve's rule (bench.vllm.dummy_init: moeserve): N(0, "
+                     "initializer_range), unit norms, block-FP8 quantised from bf16 draws")
+    if site.is_dir():
+        paths.insert(0, str(site))
+    note = "; ".join(notes) or None
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
@@ -201,7 +211,8 @@ class Worker:
         self.out_path.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "moeserve.bench.vllm_worker", "--spec", str(self.spec_path),
                "--out", str(self.out_path)]
-        env, self.cache_note = worker_env(cfg, out_dir, share_kernel_cache)
+        env, self.cache_note = worker_env(cfg, out_dir, share_kernel_cache,
+                                          dummy_weights=self.args.get("load_format") == "dummy")
         self.t0 = time.monotonic()
         self.logf = open(self.log_path, "w")
         self.tail = open(self.log_path, "r", errors="replace")
