@@ -7,10 +7,16 @@ runtime error; its heuristic then proposes only that tile. FlashInfer's ``use_fa
 macro to the host compiler only, so the kernels are still all built. The spec here passes it to nvcc too.
 The module keeps FlashInfer's name (``fused_moe_90``), so FlashInfer's own ``cutlass_fused_moe`` loads it
 from moeserve's kernel cache.
+
+FlashInfer's spec also compiles every generated instantiation file it finds, including the non-grouped
+``gemm/`` ones: the weight-only mixed-input GEMM launchers (``sm90_generic_mixed_gemm_kernelLauncher``)
+of its ``fpA_intB`` GEMM, which none of the MoE module's sources references. The spec here leaves them out
+(48 of 182 sources on sm90).
 """
 from __future__ import annotations
 
 import dataclasses
+from pathlib import PurePath
 
 FAST_BUILD_FLAG = "-DFAST_BUILD"
 
@@ -24,4 +30,11 @@ def gen_cutlass_fused_moe_fast_build(gen_name: str):
     cuda_flags = list(spec.extra_cuda_cflags or [])
     if FAST_BUILD_FLAG not in cuda_flags:
         cuda_flags.append(FAST_BUILD_FLAG)
-    return dataclasses.replace(spec, extra_cuda_cflags=cuda_flags)
+    sources = [src for src in spec.sources if not is_mixed_gemm_instantiation(src)]
+    return dataclasses.replace(spec, extra_cuda_cflags=cuda_flags, sources=sources)
+
+
+def is_mixed_gemm_instantiation(path) -> bool:
+    """A generated non-grouped ``gemm/<arch>/...generated.cu`` file (fpA_intB launchers, unused by the MoE)."""
+    parts = PurePath(path).parts
+    return str(path).endswith(".generated.cu") and len(parts) >= 3 and parts[-3] == "gemm"
