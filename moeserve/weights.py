@@ -131,10 +131,9 @@ def init_dummy(model: MoECausalLM, seed: int = 0, std: float | None = None) -> N
     dtype = model.embed_tokens.dtype
     for name, p in params.items():
         leaf = name.rsplit(".", 1)[-1]
-        parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
         if leaf.endswith(SCALE_SUFFIX) and name[:-len(SCALE_SUFFIX)] in params:
             continue  # set when its weight is quantised
-        if leaf in NORM_NAMES or parent in NORM_NAMES and leaf == "weight":
+        if leaf in NORM_NAMES:  # norm weights are parameters named after the norm
             p.fill_(1.0)
         elif leaf in ("bias", "correction_bias"):
             p.zero_()

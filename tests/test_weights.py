@@ -74,3 +74,18 @@ def test_load_format_safetensors_without_weights(tmp_path):
     with pytest.raises(ValueError, match="load_format: 'safetensors' but model"):
         LLM(model=str(tmp_path), load_format="safetensors")
     assert LLM(model=str(tmp_path)).engine.runner.load_format == "dummy"
+
+
+def test_dummy_weights_have_unit_norms_zero_biases_and_initializer_range_matrices():
+    from moeserve.config import make_config
+    from moeserve.engine.engine import LLMEngine
+    from moeserve.weights import NORM_NAMES
+    model = LLMEngine(make_config(model="tiny", dtype="float32"), capture_graphs=False).runner.model
+    params = dict(model.named_parameters())
+    norms = [n for n in params if n.rsplit(".", 1)[-1] in NORM_NAMES]
+    assert len(norms) >= 3 and all(torch.equal(params[n], torch.ones_like(params[n])) for n in norms)
+    biases = [n for n in params if n.endswith("bias")]
+    assert all(torch.count_nonzero(params[n]) == 0 for n in biases)
+    experts = [p for n, p in params.items() if p.dim() == 3]
+    assert experts and all(abs(p.std().item() - model.arch.initializer_range) < 0.1 * model.arch.initializer_range
+                           for p in experts)
