@@ -72,11 +72,21 @@ def test_fast_build_cutlass_moe_spec_keeps_flashinfers_name_and_passes_the_macro
     assert "-DFAST_BUILD" in cflags_t and "-DFAST_BUILD" not in cuda_t
     assert name_o == name_t == "fused_moe_90"
     assert cuda_o == [*cuda_t, "-DFAST_BUILD"] and cflags_o == cflags_t
-    # the non-grouped gemm/ instantiations (fpA_intB launchers) are left out; everything else is kept, in order
+    # the non-grouped gemm/ instantiations (fpA_intB launchers) are left out; the mixed-input grouped ones are
+    # compiled in one file against the stub launcher; everything else is kept, in order
     left_out = [x for x in src_t if x not in src_o]
-    assert src_o == [x for x in src_t if x not in left_out] and len(src_o) > 100
-    assert left_out and all("/gemm/90/" in x and x.endswith(".generated.cu") for x in left_out)
+    unused = [x for x in left_out if "/gemm/90/" in x]
+    mixed = [x for x in left_out if "/gemm_grouped/90/" in x and "_Mixed_" in x]
+    assert unused and mixed and sorted(unused + mixed) == sorted(left_out)
+    stub = Path(src_o[-1])
+    assert src_o[:-1] == [x for x in src_t if x not in left_out] and stub.name == "mixed_input_launcher_stubs.cu"
     assert any("/gemm_grouped/90/" in x for x in src_o) and any("/gemm_grouped/80/" in x for x in src_o)
+    text = stub.read_text()
+    assert text.startswith('#include "mixed_input_launcher_stub.inl"')
+    assert (stub.parent / "mixed_input_launcher_stub.inl").read_text().count("TLLM_THROW") == 1
+    wanted = sum(Path(x).read_text().count("template void sm90_generic_mixed_moe_gemm_kernelLauncher") for x in mixed)
+    assert wanted > 0 and text.count("template void sm90_generic_mixed_moe_gemm_kernelLauncher") == wanted
+    assert "moe_gemm_tma_ws_mixed_input_launcher.inl" not in text
 
 
 @needs_flashinfer

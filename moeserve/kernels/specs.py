@@ -12,13 +12,19 @@ FlashInfer's spec also compiles every generated instantiation file it finds, inc
 ``gemm/`` ones: the weight-only mixed-input GEMM launchers (``sm90_generic_mixed_gemm_kernelLauncher``)
 of its ``fpA_intB`` GEMM, which none of the MoE module's sources references. The spec here leaves them out
 (48 of 182 sources on sm90).
+
+Its mixed-input (W4A8 / W4A16) grouped GEMMs are most of what is left: 52 generated files of about four
+minutes of one core each, which ``FAST_BUILD`` does not thin. moeserve runs no mixed-input MoE, so their
+explicit instantiations are compiled together in one file against ``cutlass/mixed_input_launcher_stub.inl``:
+the same symbols (the dispatch code takes their addresses), with bodies that raise a clear error.
 """
 from __future__ import annotations
 
 import dataclasses
-from pathlib import PurePath
+from pathlib import Path, PurePath
 
 FAST_BUILD_FLAG = "-DFAST_BUILD"
+STUB_INL = Path(__file__).parent / "cutlass" / "mixed_input_launcher_stub.inl"
 
 
 def gen_cutlass_fused_moe_fast_build(gen_name: str):
@@ -31,7 +37,38 @@ def gen_cutlass_fused_moe_fast_build(gen_name: str):
     if FAST_BUILD_FLAG not in cuda_flags:
         cuda_flags.append(FAST_BUILD_FLAG)
     sources = [src for src in spec.sources if not is_mixed_gemm_instantiation(src)]
+    mixed = [src for src in sources if is_mixed_input_grouped_instantiation(src)]
+    if mixed:
+        stub = write_mixed_input_stubs(mixed, Path(mixed[0]).parents[2] / "moeserve")
+        sources = [src for src in sources if src not in mixed] + [stub]
     return dataclasses.replace(spec, extra_cuda_cflags=cuda_flags, sources=sources)
+
+
+def is_mixed_input_grouped_instantiation(path) -> bool:
+    """A generated grouped-GEMM file of mixed-input launchers (``gemm_grouped/<arch>/..._Mixed_...``)."""
+    parts = PurePath(path).parts
+    return (str(path).endswith(".generated.cu") and len(parts) >= 3 and parts[-3] == "gemm_grouped"
+            and "_Mixed_" in parts[-1])
+
+
+def write_mixed_input_stubs(sources: list, out_dir: Path) -> Path:
+    """One ``.cu`` holding the explicit instantiations of every file in ``sources`` (their first line, the
+    include of the real launcher, replaced by the stub's); rewritten only when its text changes."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    inl = out_dir / STUB_INL.name
+    if not inl.exists() or inl.read_text() != STUB_INL.read_text():
+        inl.write_text(STUB_INL.read_text())
+    bodies = []
+    for src in sorted(sources, key=str):
+        lines = Path(src).read_text().splitlines()
+        if not lines or "moe_gemm_tma_ws_mixed_input_launcher.inl" not in lines[0]:
+            raise RuntimeError(f"{src}: expected the mixed-input launcher include on its first line")
+        bodies.append(f"// from {PurePath(src).name}\n" + "\n".join(lines[1:]))
+    text = f'#include "{inl.name}"\n' + "\n".join(bodies) + "\n"
+    cu = out_dir / "mixed_input_launcher_stubs.cu"
+    if not cu.exists() or cu.read_text() != text:
+        cu.write_text(text)
+    return cu
 
 
 def is_mixed_gemm_instantiation(path) -> bool:
