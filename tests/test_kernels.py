@@ -73,20 +73,25 @@ def test_fast_build_cutlass_moe_spec_keeps_flashinfers_name_and_passes_the_macro
     assert name_o == name_t == "fused_moe_90"
     assert cuda_o == [*cuda_t, "-DFAST_BUILD"] and cflags_o == cflags_t
     # the non-grouped gemm/ instantiations (fpA_intB launchers) are left out; the mixed-input grouped ones are
-    # compiled in one file against the stub launcher; everything else is kept, in order
+    # compiled in one file against the stub launcher; the other sm90 grouped ones in a few merged units; the
+    # rest (sm80 grouped files included) is kept, in order
     left_out = [x for x in src_t if x not in src_o]
     unused = [x for x in left_out if "/gemm/90/" in x]
     mixed = [x for x in left_out if "/gemm_grouped/90/" in x and "_Mixed_" in x]
-    assert unused and mixed and sorted(unused + mixed) == sorted(left_out)
-    stub = Path(src_o[-1])
-    assert src_o[:-1] == [x for x in src_t if x not in left_out] and stub.name == "mixed_input_launcher_stubs.cu"
-    assert any("/gemm_grouped/90/" in x for x in src_o) and any("/gemm_grouped/80/" in x for x in src_o)
+    grouped = [x for x in left_out if "/gemm_grouped/90/" in x and "_Mixed_" not in x]
+    assert unused and mixed and grouped and sorted(unused + mixed + grouped) == sorted(left_out)
+    kept = [x for x in src_t if x not in left_out]
+    assert any("/gemm_grouped/80/" in x for x in kept)
+    stub, units = Path(src_o[len(kept)]), [Path(x) for x in src_o[len(kept) + 1:]]
+    assert src_o[:len(kept)] == kept and stub.name == "mixed_input_launcher_stubs.cu" and 1 < len(units) <= 4
     text = stub.read_text()
     assert text.startswith('#include "mixed_input_launcher_stub.inl"')
     assert (stub.parent / "mixed_input_launcher_stub.inl").read_text().count("TLLM_THROW") == 1
     wanted = sum(Path(x).read_text().count("template void sm90_generic_mixed_moe_gemm_kernelLauncher") for x in mixed)
     assert wanted > 0 and text.count("template void sm90_generic_mixed_moe_gemm_kernelLauncher") == wanted
     assert "moe_gemm_tma_ws_mixed_input_launcher.inl" not in text
+    included = [line.split('"')[1] for u in units for line in u.read_text().splitlines()]
+    assert sorted(included) == sorted(grouped)
 
 
 @needs_flashinfer

@@ -17,6 +17,11 @@ Its mixed-input (W4A8 / W4A16) grouped GEMMs are most of what is left: 52 genera
 minutes of one core each, which ``FAST_BUILD`` does not thin. moeserve runs no mixed-input MoE, so their
 explicit instantiations are compiled together in one file against ``cutlass/mixed_input_launcher_stub.inl``:
 the same symbols (the dispatch code takes their addresses), with bodies that raise a clear error.
+
+The remaining generated sm90 grouped-GEMM files spend most of their compile time parsing the same CUTLASS
+headers (about 80 s of one core each, even when ``FAST_BUILD`` empties every kernel in them); they are
+compiled in ``MERGED_UNITS`` translation units that each include a share of them (the launcher they include
+is ``#pragma once``).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from pathlib import Path, PurePath
 
 FAST_BUILD_FLAG = "-DFAST_BUILD"
 STUB_INL = Path(__file__).parent / "cutlass" / "mixed_input_launcher_stub.inl"
+MERGED_UNITS = 4
 
 
 def gen_cutlass_fused_moe_fast_build(gen_name: str):
@@ -41,7 +47,36 @@ def gen_cutlass_fused_moe_fast_build(gen_name: str):
     if mixed:
         stub = write_mixed_input_stubs(mixed, Path(mixed[0]).parents[2] / "moeserve")
         sources = [src for src in sources if src not in mixed] + [stub]
+    grouped = [src for src in sources if is_tma_grouped_instantiation(src)]
+    if grouped:
+        units = write_merged_units(grouped, Path(grouped[0]).parents[2] / "moeserve", MERGED_UNITS)
+        sources = [src for src in sources if src not in grouped] + units
     return dataclasses.replace(spec, extra_cuda_cflags=cuda_flags, sources=sources)
+
+
+def is_tma_grouped_instantiation(path) -> bool:
+    """A generated TMA grouped-GEMM file (``gemm_grouped/<arch >= 90>/...``, not mixed-input)."""
+    parts = PurePath(path).parts
+    return (str(path).endswith(".generated.cu") and len(parts) >= 3 and parts[-3] == "gemm_grouped"
+            and parts[-2].isdigit() and int(parts[-2]) >= 90 and "_Mixed_" not in parts[-1])
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+
+
+def write_merged_units(sources: list, out_dir: Path, units: int) -> list[Path]:
+    """``units`` translation units that ``#include`` ``sources`` between them, in order."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ordered = sorted(sources, key=str)
+    share = -(-len(ordered) // units)
+    paths = []
+    for i in range(0, len(ordered), share):
+        path = out_dir / f"grouped_gemm_unit{i // share}.cu"
+        _write_if_changed(path, "".join(f'#include "{src}"\n' for src in ordered[i:i + share]))
+        paths.append(path)
+    return paths
 
 
 def is_mixed_input_grouped_instantiation(path) -> bool:
@@ -56,8 +91,7 @@ def write_mixed_input_stubs(sources: list, out_dir: Path) -> Path:
     include of the real launcher, replaced by the stub's); rewritten only when its text changes."""
     out_dir.mkdir(parents=True, exist_ok=True)
     inl = out_dir / STUB_INL.name
-    if not inl.exists() or inl.read_text() != STUB_INL.read_text():
-        inl.write_text(STUB_INL.read_text())
+    _write_if_changed(inl, STUB_INL.read_text())
     bodies = []
     for src in sorted(sources, key=str):
         lines = Path(src).read_text().splitlines()
@@ -66,8 +100,7 @@ def write_mixed_input_stubs(sources: list, out_dir: Path) -> Path:
         bodies.append(f"// from {PurePath(src).name}\n" + "\n".join(lines[1:]))
     text = f'#include "{inl.name}"\n' + "\n".join(bodies) + "\n"
     cu = out_dir / "mixed_input_launcher_stubs.cu"
-    if not cu.exists() or cu.read_text() != text:
-        cu.write_text(text)
+    _write_if_changed(cu, text)
     return cu
 
 
