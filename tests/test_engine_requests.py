@@ -28,6 +28,19 @@ def test_batching_does_not_change_tokens(llm):
     assert llm.engine.pool.num_free == llm.engine.pool.capacity
 
 
+def test_all_greedy_steps_skip_the_sampling_tensors_and_mixed_steps_build_them(llm, monkeypatch):
+    runner = llm.engine.runner
+    built = []
+    original = runner.sampling_batch
+    monkeypatch.setattr(runner, "sampling_batch", lambda items: built.append(len(items)) or original(items))
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate([ids(p) for p in PROMPTS[:3]], greedy)]
+    assert built == []
+    sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    out = llm.generate([ids(p) for p in PROMPTS[:3]], [greedy, sampled, greedy])
+    assert built and [out[0].outputs[0].token_ids, out[2].outputs[0].token_ids] == [first[0], first[2]]
+
+
 def test_seed_gives_same_tokens_regardless_of_batch(llm):
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
     alone = llm.generate(ids(PROMPTS[1]), seeded)[0].outputs[0].token_ids

@@ -238,6 +238,9 @@ class ModelRunner:
         sampling = [it for it in items if it.samples]
         if not sampling:
             return [None] * len(items)
-        tokens = self.sampler.sample(logits, self.sampling_batch(sampling)).tolist()
+        if all(it.seq.params.greedy for it in sampling):  # no per-request tensors to build and copy
+            tokens = logits.argmax(dim=-1).tolist()
+        else:
+            tokens = self.sampler.sample(logits, self.sampling_batch(sampling)).tolist()
         it_tokens = iter(tokens)
         return [next(it_tokens) if it.samples else None for it in items]
