@@ -1,7 +1,7 @@
 """FlashInfer module specs that moeserve builds differently from FlashInfer's defaults.
 
 ``cutlass_fused_moe`` (TensorRT-LLM's CUTLASS MoE) compiles every tile shape and cluster shape of every
-dtype pair: 182 translation units and hours of one core each for the sm90 module. TensorRT-LLM's
+dtype pair: 182 translation units for the sm90 module, several hours of one core in all. TensorRT-LLM's
 ``FAST_BUILD`` keeps one tile (CTA 128x128, cluster 1x1x1) per kernel and turns the rest into a clear
 runtime error; its heuristic then proposes only that tile. FlashInfer's ``use_fast_build=True`` passes the
 macro to the host compiler only, so the kernels are still all built. The spec here passes it to nvcc too.
@@ -42,7 +42,7 @@ def gen_cutlass_fused_moe_fast_build(gen_name: str):
     cuda_flags = list(spec.extra_cuda_cflags or [])
     if FAST_BUILD_FLAG not in cuda_flags:
         cuda_flags.append(FAST_BUILD_FLAG)
-    sources = [src for src in spec.sources if not is_mixed_gemm_instantiation(src)]
+    sources = [src for src in spec.sources if not is_weight_only_gemm_instantiation(src)]
     mixed = [src for src in sources if is_mixed_input_grouped_instantiation(src)]
     if mixed:
         stub = write_mixed_input_stubs(mixed, Path(mixed[0]).parents[2] / "moeserve")
@@ -104,7 +104,8 @@ def write_mixed_input_stubs(sources: list, out_dir: Path) -> Path:
     return cu
 
 
-def is_mixed_gemm_instantiation(path) -> bool:
-    """A generated non-grouped ``gemm/<arch>/...generated.cu`` file (fpA_intB launchers, unused by the MoE)."""
+def is_weight_only_gemm_instantiation(path) -> bool:
+    """A generated non-grouped ``gemm/<arch>/...generated.cu`` file: fpA_intB weight-only GEMM launchers,
+    which the MoE module does not use."""
     parts = PurePath(path).parts
     return str(path).endswith(".generated.cu") and len(parts) >= 3 and parts[-3] == "gemm"
