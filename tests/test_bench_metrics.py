@@ -155,8 +155,10 @@ def test_diversity_needs_two_requests_and_ragged_outputs_count_who_is_there():
     assert distinct_token_frac([[1, 2, 3], [1, 5]]) == pytest.approx((1 / 2 + 2 / 2) / 2)
     clock = Clock()
     case = WorkloadCase("prefill", 3, 4, 4)
-    run = run_once(TokenEngine(clock, lambda rid, i: 1), case, make_requests(case, 0, 100), clock=clock)
+    eng = TokenEngine(clock, lambda rid, i: 1)
+    run = run_once(eng, case, make_requests(case, 0, 100), clock=clock)
     assert "distinct_token_frac" not in run and "distinct_token_frac" not in static_metrics(run, "prefill")
+    assert eng.tokens == {}  # read back (and so forgotten) for every workload
 
 
 def test_a_run_that_never_finishes_times_out():

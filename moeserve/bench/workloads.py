@@ -151,8 +151,9 @@ def run_once(adapter: EngineAdapter, case: WorkloadCase, requests: list[Request]
                      "nth_token_s": tt[min(len(tt), r.max_tokens) - 1] - t0, "last_token_s": tt[-1] - t0,
                      "num_tokens": len(tt)})
     run = {"steps": steps, "requests": reqs}
-    if outputs is not None and case.workload == "decode":
-        frac = distinct_token_frac([outputs(r.id) or [] for r in requests])
+    if outputs is not None:
+        tokens = [outputs(r.id) or [] for r in requests]  # read for every workload: the adapter forgets them
+        frac = distinct_token_frac(tokens) if case.workload == "decode" else None
         if frac is not None:
             run["distinct_token_frac"] = frac
     return run
