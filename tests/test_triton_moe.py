@@ -236,6 +236,36 @@ def test_tuner_search_space():
                 assert all(c[key] in vals for key, vals in tt.SPACE.items())
 
 
+def test_fp8_tuning_keeps_block_k_a_divisor_of_128_and_writes_the_table_the_kernel_loads(tmp_path):
+    from moeserve.ops.moe import tune_triton as tt
+    from moeserve.ops.moe.fp8_triton import BLOCK_SHAPE, FP8_CONFIG_TAG, default_fp8_config
+    args, _ = tt.parse_args(["--shape", "8,256,256,2", "--dtype", FP8_CONFIG_TAG, "--out", str(tmp_path)])
+    assert tt.DTYPES[args.dtype] == torch.bfloat16  # activations stay bf16; the experts are e4m3
+    from moeserve.ops.moe.triton_configs import config_file_name
+    name = config_file_name(8, 256, 256, args.dtype, "NVIDIA_H200", BLOCK_SHAPE)
+    assert name == "E=8,N=256,H=256,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128].json"
+    assert default_fp8_config(64, 8, 256, 256, 2)["BLOCK_SIZE_K"] == 128
+    tiles = tt.tile_candidates(64, 8, 2, 1, 232448, torch.bfloat16, 48)
+    assert any(not tt.fp8_fits(c) for c in tiles) and any(tt.fp8_fits(c) for c in tiles)
+
+
+def test_fp8_tuning_reference_matches_the_quantised_computation():
+    """The tuner's FP8 reference: dequantised experts, activations quantised per group of 128 as in the kernel."""
+    from moeserve.ops.moe import tune_triton as tt
+    from moeserve.quant.fp8 import block_quant_fp8
+    g = torch.Generator().manual_seed(0)
+    E, I, H, k, M = 4, 128, 256, 2, 5
+    w13 = torch.randn(E, 2 * I, H, generator=g) / 16
+    w2 = torch.randn(E, H, I, generator=g) / 11
+    x = torch.randn(M, H, generator=g).bfloat16()
+    tw, ti = torch.softmax(torch.randn(M, k, generator=g), 1), torch.stack([torch.randperm(E, generator=g)[:k]
+                                                                             for _ in range(M)]).int()
+    full = tt.reference(x, w13.bfloat16(), w2.bfloat16(), tw, ti)
+    quant = tt.reference(x, block_quant_fp8(w13), block_quant_fp8(w2), tw, ti)
+    err = float((quant - full).norm() / full.norm())
+    assert 1e-3 < err < 0.1  # close to the unquantised MLP, but not equal to it
+
+
 # ---------------------------------------------------------------- GPU
 
 gpu = pytest.mark.gpu

@@ -191,9 +191,14 @@ def get_fp8_config(M: int, E: int, N: int, H: int, top_k: int) -> tuple[dict, bo
     if table:
         nearest = min(table, key=lambda m: (abs(m - M), m))
         return _fit_block_k(dict(table[nearest])), True
+    return default_fp8_config(M, E, N, H, top_k), False
+
+
+def default_fp8_config(M: int, E: int, N: int, H: int, top_k: int) -> dict:
+    """The untuned FP8 config: the bf16 default heuristic with ``BLOCK_SIZE_K = 128``."""
     cfg = default_config(M, E, N, H, top_k, torch.bfloat16)
     cfg["BLOCK_SIZE_K"] = BLOCK
-    return cfg, False
+    return cfg
 
 
 # --- the layer ------------------------------------------------------------------------------------

@@ -10,6 +10,11 @@ uniform random routing: first a set of tile shapes near the default config, then
 variants of the two fastest tiles. The winner is checked against an fp32 torch reference and written to
 ``--out`` (file named by :func:`config_file_name`) after every ``M``, so partial results survive. Once
 the budget is spent, remaining token counts only time the default and the previous winner (both compiled).
+
+``--dtype fp8_w8a8`` tunes the FP8 block-scale kernel (``fp8_triton.fused_moe_fp8``: e4m3 experts with
+128x128 scales, activations quantised per token group of 128) and writes the table it loads
+(``...,dtype=fp8_w8a8,block_shape=[128,128].json``); ``BLOCK_SIZE_K`` then stays a divisor of 128, the
+reference quantises the activations the same way, and tiles compile when first timed.
 """
 from __future__ import annotations
 
@@ -26,6 +31,10 @@ from pathlib import Path
 import torch
 import triton
 
+from moeserve.quant.fp8 import (BLOCK, block_dequant_fp8, block_quant_fp8, per_token_group_dequant,
+                                per_token_group_quant_fp8)
+
+from .fp8_triton import BLOCK_SHAPE, FP8_CONFIG_TAG, default_fp8_config, fused_moe_fp8
 from .triton_configs import CONFIG_DIR, CONFIG_KEYS, config_file_name, default_config, device_name, parse_configs
 from .triton_kernels import fused_moe, fused_moe_warmup
 
@@ -33,8 +42,9 @@ SHAPES = {"qwen1.5": (60, 1408, 2048, 4), "qwen3": (128, 768, 2048, 8)}
 BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 SPACE = dict(BLOCK_SIZE_M=(16, 32, 64, 128), BLOCK_SIZE_N=(32, 64, 128, 256), BLOCK_SIZE_K=(64, 128, 256),
              GROUP_SIZE_M=(1, 16, 32), num_warps=(4, 8), num_stages=(2, 3, 4, 5))
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, FP8_CONFIG_TAG: torch.bfloat16}  # activation dtypes
 REL_ERR_LIMIT = 2e-2
+REL_ERR_LIMIT_FP8 = 2.5e-2  # against the reference above (tests/test_gpu_fp8.py uses the same bound)
 SECONDS_PER_PAIR_RESERVE = 0.4
 TARGET_REPLAY_US = 300.0
 
@@ -116,10 +126,28 @@ def variant_candidates(tiles: list[dict], M: int, E: int, top_k: int, elsize: in
     return [c for group in itertools.zip_longest(*per_tile) for c in group if c is not None]
 
 
+def is_fp8(w) -> bool:
+    """FP8 experts travel as ``(e4m3 weights, block scales)`` pairs."""
+    return isinstance(w, tuple)
+
+
+def run_moe(x, w13, w2, topk_weights, topk_ids, cfg: dict, out=None) -> torch.Tensor:
+    """The kernel being tuned: ``fused_moe``, or ``fused_moe_fp8`` for FP8 experts."""
+    if is_fp8(w13):
+        return fused_moe_fp8(x, w13[0], w13[1], w2[0], w2[1], topk_weights, topk_ids, config=cfg, out=out)
+    return fused_moe(x, w13, w2, topk_weights, topk_ids, config=cfg, out=out)
+
+
+def fp8_fits(cfg: dict) -> bool:
+    """The FP8 kernel applies one weight scale per K tile: ``BLOCK_SIZE_K`` must divide 128."""
+    return BLOCK % int(cfg["BLOCK_SIZE_K"]) == 0
+
+
 def precompile(configs: list[dict], x, w13, w2, top_k: int, pool, timeout_s: float) -> int:
-    """Compile both GEMM variants of each config in parallel, stopping after ``timeout_s``; returns #done."""
+    """Compile both GEMM variants of each config in parallel, stopping after ``timeout_s``; returns #done
+    (0 for FP8 experts, whose tiles compile when first timed)."""
     mode_cls = getattr(triton, "AsyncCompileMode", None)
-    if mode_cls is None or not configs:
+    if mode_cls is None or not configs or is_fp8(w13):
         return 0
     with mode_cls(pool, ignore_errors=True) as mode:
         for cfg in configs:
@@ -138,7 +166,12 @@ def make_routing(M: int, E: int, top_k: int, device) -> tuple[torch.Tensor, torc
 
 
 def reference(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-    """fp32 per-expert reference of the fused MoE MLP."""
+    """fp32 per-expert reference of the fused MoE MLP; for FP8 experts, of the dequantised weights with the
+    activations quantised per token group as the kernel does (the down projection's input too)."""
+    fp8 = is_fp8(w13)
+    if fp8:
+        w13, w2 = block_dequant_fp8(*w13), block_dequant_fp8(*w2)
+        x = per_token_group_dequant(*per_token_group_quant_fp8(x))
     inter = w2.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     xf = x.float()
@@ -148,6 +181,8 @@ def reference(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
             continue
         h = xf[tok] @ w13[e].float().T
         h = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        if fp8:
+            h = per_token_group_dequant(*per_token_group_quant_fp8(h.to(torch.bfloat16)))
         out.index_add_(0, tok, (h @ w2[e].float().T) * topk_weights[tok, slot, None])
     return out
 
@@ -156,7 +191,7 @@ def verify(cfg: dict, M: int, x_all, w13, w2, E: int, top_k: int) -> float:
     """Relative Frobenius error of ``fused_moe`` with ``cfg`` against the fp32 reference on fresh routing."""
     x = torch.randn_like(x_all[:M])
     tw, ti = make_routing(M, E, top_k, x.device)
-    y = fused_moe(x, w13, w2, tw, ti, config=cfg).float()
+    y = run_moe(x, w13, w2, tw, ti, cfg).float()
     ref = reference(x, w13, w2, tw, ti)
     return float((y - ref).norm() / ref.norm().clamp_min(1e-12))
 
@@ -164,12 +199,12 @@ def verify(cfg: dict, M: int, x_all, w13, w2, E: int, top_k: int) -> float:
 def time_config(cfg: dict, x, w13, w2, routings) -> float:
     """Median microseconds per ``fused_moe`` call, replaying a CUDA graph of calls over varied routings."""
     out = torch.empty_like(x)
-    fused_moe(x, w13, w2, *routings[0], config=cfg, out=out)
+    run_moe(x, w13, w2, *routings[0], cfg, out=out)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for i in range(3):
-        fused_moe(x, w13, w2, *routings[i % len(routings)], config=cfg, out=out)
+        run_moe(x, w13, w2, *routings[i % len(routings)], cfg, out=out)
     end.record()
     end.synchronize()
     est_us = max(start.elapsed_time(end) * 1e3 / 3, 1.0)
@@ -177,7 +212,7 @@ def time_config(cfg: dict, x, w13, w2, routings) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(inner):
-            fused_moe(x, w13, w2, *routings[i % len(routings)], config=cfg, out=out)
+            run_moe(x, w13, w2, *routings[i % len(routings)], cfg, out=out)
     graph.replay()
     times = []
     for _ in range(10):
@@ -198,12 +233,23 @@ class Tuner:
         self.t0 = time.monotonic()
         self.deadline = self.t0 + args.budget_s
         self.dtype = DTYPES[args.dtype]
-        self.elsize = torch.empty((), dtype=self.dtype).element_size()
+        self.fp8 = args.dtype == FP8_CONFIG_TAG
+        self.elsize = 1 if self.fp8 else torch.empty((), dtype=self.dtype).element_size()
         self.smem = smem_limit()
         self.device = device_name()
         self.dev = torch.device("cuda")
         self.pool = cf.ThreadPoolExecutor(max_workers=args.compile_workers)
         self.summary = []
+
+    def default(self, M: int, E: int, inter: int, H: int, top_k: int) -> dict:
+        """The config the kernel would run untuned."""
+        if self.fp8:
+            return default_fp8_config(M, E, inter, H, top_k)
+        return default_config(M, E, inter, H, top_k, self.dtype)
+
+    def tiles(self, M: int, E: int, top_k: int, limit: int) -> list[dict]:
+        tiles = tile_candidates(M, E, top_k, self.elsize, self.smem, self.dtype, limit if not self.fp8 else 2 * limit)
+        return [c for c in tiles if fp8_fits(c)][:limit] if self.fp8 else tiles
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -232,12 +278,12 @@ class Tuner:
         until = self.search_deadline(pairs_left)
         x = x_all[:M]
         routings = [make_routing(M, E, top_k, x.device) for _ in range(8)]
-        default = default_config(M, E, inter, H, top_k, self.dtype)
+        default = self.default(M, E, inter, H, top_k)
         results: dict[tuple, tuple[float, dict]] = {}
         first = [default] + ([prev_best] if prev_best else [])
         self.evaluate(first, results, x, w13, w2, routings, until, force=True)
         limit = self.args.max_candidates
-        tiles = tile_candidates(M, E, top_k, self.elsize, self.smem, self.dtype, limit * 3 // 5)
+        tiles = self.tiles(M, E, top_k, limit * 3 // 5)
         if time.monotonic() < until:
             precompile(tiles, x, w13, w2, top_k, self.pool, until - time.monotonic())
         self.evaluate(tiles, results, x, w13, w2, routings, until)
@@ -250,7 +296,7 @@ class Tuner:
                 best_tiles.append(cfg)
         room = max(0, limit - len(results))
         variants = [c for c in variant_candidates(best_tiles, M, E, top_k, self.elsize, self.smem)
-                    if cfg_key(c) not in results][:room]
+                    if cfg_key(c) not in results and (not self.fp8 or fp8_fits(c))][:room]
         if variants and time.monotonic() < until:
             precompile(variants, x, w13, w2, top_k, self.pool, until - time.monotonic())
             self.evaluate(variants, results, x, w13, w2, routings, until)
@@ -260,7 +306,7 @@ class Tuner:
             if not math.isfinite(us):
                 continue
             err = verify(cfg, M, x_all, w13, w2, E, top_k)
-            if err < REL_ERR_LIMIT:
+            if err < (REL_ERR_LIMIT_FP8 if self.fp8 else REL_ERR_LIMIT):
                 return cfg, us, default_us, err, len(results)
             log(f"    {cfg_str(cfg)} failed verification: rel err {err:.3g}")
         raise RuntimeError(f"no config passed verification for M={M}")
@@ -276,16 +322,17 @@ class Tuner:
         args = self.args
         out_dir = Path(args.out)
         out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / config_file_name(E, inter, H, args.dtype, self.device)
+        path = out_dir / config_file_name(E, inter, H, args.dtype, self.device, BLOCK_SHAPE if self.fp8 else None)
         table = parse_configs(json.loads(path.read_text())) if path.exists() else {}
         log(f"{self.elapsed()} shape {name}: E={E} I={inter} H={H} top_k={top_k} -> {path}")
         gen = torch.Generator(device=self.dev).manual_seed(args.seed)
         w13 = (torch.randn(E, 2 * inter, H, device=self.dev, generator=gen) / math.sqrt(H)).to(self.dtype)
         w2 = (torch.randn(E, H, inter, device=self.dev, generator=gen) / math.sqrt(inter)).to(self.dtype)
+        if self.fp8:
+            w13, w2 = block_quant_fp8(w13), block_quant_fp8(w2)
         x_all = torch.randn(max(args.batch_sizes), H, device=self.dev, generator=gen).to(self.dtype)
 
-        per_m = [[default_config(M, E, inter, H, top_k, self.dtype)]
-                 + tile_candidates(M, E, top_k, self.elsize, self.smem, self.dtype, args.max_candidates * 3 // 5)
+        per_m = [[self.default(M, E, inter, H, top_k)] + self.tiles(M, E, top_k, args.max_candidates * 3 // 5)
                  for M in args.batch_sizes]
         union, seen = [], set()
         for cfg in itertools.chain.from_iterable(itertools.zip_longest(*per_m)):
