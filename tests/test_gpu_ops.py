@@ -155,7 +155,7 @@ def test_flashinfer_cutlass_moe_matches_torch(E, I, H, k, T):
     from types import SimpleNamespace
 
     from moeserve.ops.moe.flashinfer_backend import FlashInferMoE
-    from moeserve.ops.moe.routing import softmax_topk
+    from moeserve.ops.moe.routing import RoutingConfig, softmax_topk
     from moeserve.ops.moe.torch_ref import torch_moe
     g = torch.Generator(device=dev()).manual_seed(T)
     x = torch.randn(T, H, device=dev(), dtype=torch.bfloat16, generator=g)
@@ -163,7 +163,8 @@ def test_flashinfer_cutlass_moe_matches_torch(E, I, H, k, T):
     w2 = (torch.randn(E, H, I, device=dev(), generator=g) / I ** 0.5).bfloat16()
     weights, ids = softmax_topk(torch.randn(T, E, device=dev(), generator=g), k, True)
     ref = torch_moe(x.float(), w13.float(), w2.float(), weights, ids)
-    layer = SimpleNamespace(w13=torch.nn.Parameter(w13.clone(), requires_grad=False), w2=w2, top_k=k)
+    layer = SimpleNamespace(w13=torch.nn.Parameter(w13.clone(), requires_grad=False), w2=w2, top_k=k,
+                            routing=RoutingConfig("softmax", k, True), num_experts=E)
     moe = FlashInferMoE(dev(), torch.bfloat16)
     moe.prepare(layer)
     assert layer.w13_order == "up_gate"

@@ -74,6 +74,7 @@ class FlashInferMoE:
                     swap_halves_(scales.data, inter // BLOCK)
             layer.w13_order = "up_gate"
 
+    @torch.compiler.disable  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer) -> torch.Tensor:
         scales = getattr(layer, "w13_scale_inv", None)
         if scales is not None:

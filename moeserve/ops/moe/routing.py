@@ -143,6 +143,7 @@ class FusedDeepseekRouter:
         self.cfg = cfg
         self._zero_bias = torch.zeros(num_experts, dtype=torch.float32, device=device)
 
+    @torch.compiler.disable  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
     def __call__(self, logits: torch.Tensor, correction_bias: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg

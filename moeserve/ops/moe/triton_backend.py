@@ -46,6 +46,7 @@ class TritonMoE:
             log.warning("triton MoE: no tuned config for E=%d N=%d H=%d %s on %s; using the default heuristic",
                         e, two_i // 2, h, kind, self._configs.device_name())
 
+    @torch.compiler.disable  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer) -> torch.Tensor:
         if getattr(layer, "w13_scale_inv", None) is not None:
             return self._fp8.fused_moe_fp8(x, layer.w13, layer.w13_scale_inv, layer.w2, layer.w2_scale_inv,
