@@ -480,3 +480,20 @@ def test_fp8_weights_add_the_blockscale_gemm_and_deepseek_routing_adds_the_fused
     assert [m.key for m in moe_flashinfer(hopper_target)] == ["fused_moe", "routing"]
     ampere_target = Target(parse_arch("8.0"), torch.bfloat16, torch.bfloat16, 128, 8, 128, "none", 256, ds)
     assert moe_routing(ampere_target) == []
+
+
+def test_flashinfer_attention_is_refused_for_head_sizes_its_kernels_do_not_serve():
+    """FlashInfer's FA3 prefill static-asserts its head size (64, 128 or 256): ``auto`` takes the torch
+    attention for the tiny model's head_dim 16, and naming flashinfer fails with both sizes."""
+    from moeserve.kernels.modules import hardware_for_arch
+    from moeserve.kernels.layout import parse_arch
+    from moeserve.ops import registry
+    hw, cuda = hardware_for_arch(parse_arch("9.0a")), torch.device("cuda", 0)
+    assert registry.resolve("attention", "auto", hw, cuda, torch.bfloat16, head_dim=128).name == "flashinfer"
+    assert registry.resolve("attention", "auto", hw, cuda, torch.bfloat16, head_dim=16).name == "torch"
+    with pytest.raises(registry.BackendUnavailable,
+                       match=r"backends\.attention: 'flashinfer' is not available: serves head_dim 64, 128, 256; "
+                             r"the model's is 16"):
+        registry.resolve("attention", "flashinfer", hw, cuda, torch.bfloat16, head_dim=16)
+    keys = [m.key for m in modules_for_config(make_config(model="tiny"), "9.0a")]
+    assert "prefill" not in keys and "decode" not in keys and "norm" in keys

@@ -56,7 +56,8 @@ class ModelRunner:
         if cfg.kernel_cache_dir is not None:
             from moeserve.kernels import use_kernel_cache
             self.kernel_cache = use_kernel_cache(cfg.kernel_cache_dir, hw)
-        specs = {op: registry.resolve(op, getattr(cfg.backends, op), hw, self.device, self.dtype, self.quantization)
+        specs = {op: registry.resolve(op, getattr(cfg.backends, op), hw, self.device, self.dtype, self.quantization,
+                                      arch.head_dim)
                  for op in ("attention", "moe", "linear", "sampling", "norm", "rope", "activation")}
         self.backend_names = {op: s.name for op, s in specs.items()}
         load = registry.load

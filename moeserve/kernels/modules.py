@@ -195,7 +195,8 @@ def target_for_config(cfg: EngineConfig, arch: Arch | str) -> tuple[Target, dict
     kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else torch.float8_e4m3fn
     hw = hardware_for_arch(arch)
     quantization = engine_quantization(cfg, source.config)
-    backends = {op: registry.resolve(op, getattr(cfg.backends, op), hw, device, dtype, quantization).name
+    backends = {op: registry.resolve(op, getattr(cfg.backends, op), hw, device, dtype, quantization,
+                                     model.head_dim).name
                 for op in OPERATORS}
     target = Target(arch, dtype, kv_dtype, model.num_heads, model.num_kv_heads, model.head_dim, quantization,
                     model.num_experts, model.routing)

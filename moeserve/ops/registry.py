@@ -26,6 +26,7 @@ class Requirements:
     bf16_min_capability: tuple[int, int] = (8, 0)
     quantization: tuple[str, ...] | None = None  # weight formats it serves; None = any
     dtypes: tuple[torch.dtype, ...] | None = None  # activation dtypes it serves; None = any
+    head_dims: tuple[int, ...] | None = None  # attention head sizes it serves; None = any
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,13 @@ def _sm(cc: tuple[int, int]) -> str:
 _FI = ("flashinfer",)
 _HALF = (torch.float16, torch.bfloat16)
 _GPU = Requirements(cuda=True, min_capability=(7, 5), packages=_FI, dtypes=_HALF)
+# FlashInfer's paged prefill (FA3 on sm90 static-asserts its head size) and decode kernels: 64, 128, 256.
+_FI_ATTENTION = Requirements(cuda=True, min_capability=(7, 5), packages=_FI, dtypes=_HALF, head_dims=(64, 128, 256))
 
 # Preference order for `auto`: first that can run wins.
 SPECS: dict[str, list[BackendSpec]] = {
     "attention": [
-        BackendSpec("attention", "flashinfer", "moeserve.ops.attention.flashinfer:FlashInferAttention", _GPU,
+        BackendSpec("attention", "flashinfer", "moeserve.ops.attention.flashinfer:FlashInferAttention", _FI_ATTENTION,
                     "FlashInfer paged prefill (fa3 on sm90) and decode"),
         BackendSpec("attention", "torch", "moeserve.ops.attention.torch_ref:TorchAttention", Requirements(),
                     "torch reference over the paged cache"),
@@ -105,9 +108,11 @@ def _installed(pkg: str) -> bool:
 
 
 def check(spec: BackendSpec, hw: HardwareInfo, device: torch.device, dtype: torch.dtype,
-          quantization: str = "none") -> str | None:
-    """None when ``spec`` can run here, else the reason it cannot."""
+          quantization: str = "none", head_dim: int | None = None) -> str | None:
+    """None when ``spec`` can run here (for a model of this ``head_dim``, when given), else why not."""
     n = spec.needs
+    if n.head_dims is not None and head_dim is not None and head_dim not in n.head_dims:
+        return f"serves head_dim {', '.join(map(str, n.head_dims))}; the model's is {head_dim}"
     if n.quantization is not None and quantization not in n.quantization:
         return f"serves only {'/'.join(n.quantization)} weights (quantization is {quantization})"
     if n.cuda:
@@ -129,19 +134,19 @@ def check(spec: BackendSpec, hw: HardwareInfo, device: torch.device, dtype: torc
 
 
 def resolve(op: str, requested: str, hw: HardwareInfo, device: torch.device, dtype: torch.dtype,
-            quantization: str = "none") -> BackendSpec:
+            quantization: str = "none", head_dim: int | None = None) -> BackendSpec:
     specs = SPECS[op]
     if requested == "auto":
         reasons = []
         for spec in specs:
-            why = check(spec, hw, device, dtype, quantization)
+            why = check(spec, hw, device, dtype, quantization, head_dim)
             if why is None:
                 return spec
             reasons.append(f"{spec.name}: {why}")
         raise BackendUnavailable(f"no {op} backend can run here ({'; '.join(reasons)})")
     for spec in specs:
         if spec.name == requested:
-            why = check(spec, hw, device, dtype, quantization)
+            why = check(spec, hw, device, dtype, quantization, head_dim)
             if why is not None:
                 raise BackendUnavailable(f"backends.{op}: {requested!r} is not available: {why}")
             return spec
