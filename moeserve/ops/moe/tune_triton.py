@@ -38,7 +38,7 @@ from .fp8_triton import BLOCK_SHAPE, FP8_CONFIG_TAG, default_fp8_config, fused_m
 from .triton_configs import CONFIG_DIR, CONFIG_KEYS, config_file_name, default_config, device_name, parse_configs
 from .triton_kernels import fused_moe, fused_moe_warmup
 
-SHAPES = {"qwen1.5": (60, 1408, 2048, 4), "qwen3": (128, 768, 2048, 8)}
+SHAPES = {"qwen1.5": (60, 1408, 2048, 4), "qwen3": (128, 768, 2048, 8), "glm4.5-air": (128, 1408, 4096, 8)}
 BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 SPACE = dict(BLOCK_SIZE_M=(16, 32, 64, 128), BLOCK_SIZE_N=(32, 64, 128, 256), BLOCK_SIZE_K=(64, 128, 256),
              GROUP_SIZE_M=(1, 16, 32), num_warps=(4, 8), num_stages=(2, 3, 4, 5))
