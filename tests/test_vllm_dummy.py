@@ -128,3 +128,12 @@ def test_worker_env_carries_the_plugin_only_for_dummy_weights_by_moeserves_rule(
     assert (str(site) in env["PYTHONPATH"].split(os.pathsep)) is plugged
     assert any(site.glob("*.dist-info/entry_points.txt")) is plugged
     assert (note is not None and "moeserve's rule" in note) is plugged
+
+
+def test_bench_vllm_plugin_mode_writes_the_entry_point_and_prints_the_path(tmp_path, capsys):
+    from moeserve.cli import main
+    assert main(["bench", "vllm-plugin", "--out", str(tmp_path / "plug")]) == 0
+    out = capsys.readouterr().out
+    assert f"export PYTHONPATH={tmp_path / 'plug'}{os.pathsep}{REPO}" in out
+    assert (next((tmp_path / "plug").glob("*.dist-info")) / "entry_points.txt").read_text().startswith(
+        f"[{PLUGIN_GROUP}]")

@@ -26,7 +26,9 @@ GPU_PRESET = Path(__file__).resolve().parent.parent / "presets" / "bench-gpu.yam
 CPU_DEFAULTS = {"model": "tiny", "bench.prompt_len": 128, "bench.output_len": 32, "bench.concurrency": [1, 4],
                 "bench.runs": 2, "bench.warmup_runs": 1}
 EXTERNAL_MODES = {"online": ("moeserve.bench.online", "online load generator against an OpenAI-compatible server"),
-                  "startup": ("moeserve.bench.startup", "cold and warm engine start-up times")}
+                  "startup": ("moeserve.bench.startup", "cold and warm engine start-up times"),
+                  "vllm-plugin": ("moeserve.bench.vllm_dummy",
+                                  "write the plugin that has a vLLM you start yourself draw moeserve's dummy weights")}
 VLLM_FINISH_MARGIN_S = 20.0
 VLLM_MIN_S = 120.0  # below this no vLLM engine gets ready (a warm start takes about that)
 VLLM_RUN_ALLOWANCE_S = 1200.0

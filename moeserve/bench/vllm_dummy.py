@@ -109,6 +109,27 @@ def register() -> None:
     weight_utils.initialize_dummy_weights = init_like_moeserve
 
 
+def add_args(p) -> None:
+    """``moeserve bench vllm-plugin --out DIR``: the plugin for a vLLM you start yourself (``vllm serve``)."""
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="directory to put on vLLM's PYTHONPATH (it gets the plugin's entry point)")
+
+
+def run(args) -> int:
+    """Write the plugin's entry point into ``--out`` and print the ``PYTHONPATH`` that makes every vLLM process
+    draw its dummy weights by moeserve's rule (for ``vllm serve --load-format dummy`` in ``bench online``)."""
+    import os
+    from pathlib import Path
+
+    import moeserve
+    out = Path(args.out).expanduser().resolve()
+    write_plugin_dist(out)
+    root = Path(moeserve.__file__).resolve().parent.parent
+    print(f"wrote the vLLM plugin entry point '{PLUGIN_NAME}' under {out}")
+    print(f"export PYTHONPATH={out}{os.pathsep}{root}${{PYTHONPATH:+{os.pathsep}$PYTHONPATH}}")
+    return 0
+
+
 def write_plugin_dist(site) -> None:
     """Make ``site`` (a directory on the worker's ``PYTHONPATH``) declare the plugin entry point."""
     from pathlib import Path
