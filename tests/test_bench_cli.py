@@ -114,7 +114,8 @@ def test_bench_kernels_on_cpu_lists_every_kernel_as_skipped(tmp_path, capsys):
     assert all(k["status"] == "skipped" and "CUDA GPU" in k["reason"] for k in r["kernels"])
     names = {k["kernel"] for k in r["kernels"]}
     assert {"flashinfer decode (CUDA cores)", "flashinfer prefill fa3", "trtllm xqa decode",
-            "flashinfer cutlass_fused_moe", "moeserve triton fused_moe"} <= names
+            "flashinfer cutlass_fused_moe", "moeserve triton fused_moe", "flashinfer mixed: batched POD (fa2)",
+            "flashinfer mixed: one prefill plan (fa3)"} <= names
     assert "skipped: needs a CUDA GPU" in capsys.readouterr().out
 
 

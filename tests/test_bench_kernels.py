@@ -98,3 +98,62 @@ def test_kernel_timers_time_a_copy(graph):
     assert us > 0 and ("cold L2" in how or "flush" in how)
     us2, _ = K.own_time_us(lambda a, b: b.copy_(a), (x, y), graph, repeats=5)
     assert us2 > 0
+
+
+def csr_attention(sh, q, kv, qo_indptr, kv_indptr, indices, last):
+    """float32 causal attention straight from FlashInfer-style CSR page tables (what the kernels are given)."""
+    outs, group = [], sh.num_heads // sh.num_kv_heads
+    for r in range(len(qo_indptr) - 1):
+        qs = q[int(qo_indptr[r]):int(qo_indptr[r + 1])].float()
+        pages = indices[int(kv_indptr[r]):int(kv_indptr[r + 1])].long()
+        n = (len(pages) - 1) * sh.page_size + int(last[r])
+        keys = kv[pages, 0].reshape(-1, sh.num_kv_heads, sh.head_dim)[:n].float().repeat_interleave(group, 1)
+        vals = kv[pages, 1].reshape(-1, sh.num_kv_heads, sh.head_dim)[:n].float().repeat_interleave(group, 1)
+        qn = qs.shape[0]
+        mask = torch.arange(n)[None, :] <= torch.arange(n - qn, n)[:, None]
+        out = torch.nn.functional.scaled_dot_product_attention(qs.transpose(0, 1), keys.transpose(0, 1),
+                                                               vals.transpose(0, 1), attn_mask=mask, scale=sh.scale)
+        outs.append(out.transpose(0, 1))
+    return torch.cat(outs)
+
+
+def test_mixed_step_page_tables_describe_the_reference():
+    """The one-plan tables (all rows) and the POD tables (chunk, decodes) over the shared cache give the
+    reference the mixed kernels are checked against."""
+    from moeserve.bench import kernels_mixed as km
+    sh = shapes(prompt_len=6, context_len=10)
+    inp = km.mixed_inputs(sh, 3, "cpu", torch.Generator().manual_seed(1))
+    ref = km.mixed_reference(sh, inp)
+    assert ref.shape == (6 + 3, sh.num_heads, sh.head_dim)
+    every = csr_attention(sh, inp["q"], inp["kv"], inp["qo_indptr_all"], inp["indptr_all"], inp["indices_all"],
+                          inp["last_all"])
+    torch.testing.assert_close(every, ref, atol=1e-5, rtol=1e-5)
+    p, d = inp["p"], inp["d"]
+    parts = torch.cat([csr_attention(sh, inp["q_p"], inp["kv"], p["qo_indptr_host"], p["indptr_host"], p["indices"],
+                                     p["last_host"]),
+                       csr_attention(sh, inp["q_d"], inp["kv"], d["qo_indptr_host"], d["indptr_host"],
+                                     inp["indices_d"], d["last_host"])])
+    torch.testing.assert_close(parts, ref, atol=1e-5, rtol=1e-5)
+    assert len(set(inp["indices_all"].tolist())) == inp["indices_all"].numel()  # no page shared
+
+
+def test_mixed_rows_are_checked_and_timed(monkeypatch):
+    from moeserve.bench import kernels_mixed as km
+
+    def stand_in(sh, inp, ws, *a):
+        tables = (inp["qo_indptr_all"], inp["indptr_all"], inp["indices_all"], inp["last_all"])
+        return (lambda q, kv: csr_attention(sh, q, kv, *tables).to(q.dtype)), (inp["q"], inp["kv"]), False
+
+    monkeypatch.setattr(km, "one_plan", stand_in)
+    monkeypatch.setattr(km, "batched_pod", lambda sh, inp, ws: ((lambda q: q), (inp["q"],), False))  # wrong
+    monkeypatch.setattr(K, "time_us", lambda fn, args, graph: (50.0, "stand-in"))
+    cfg = make_config(model="tiny", bench={"prompt_len": 16, "output_len": 8, "concurrency": [1, 2]})
+    arch = arch_from_hf(resolve_model_source("tiny").config)
+    args = types.SimpleNamespace(allow_slow_jit=False, time_budget=None, quick=False, batch_sizes=None)
+    rows = K.run_rows(cfg, arch, torch.bfloat16, torch.device("cpu"), (9, 0), [2], [2], args, lambda s: None,
+                      lambda r: None)
+    by = {r["kernel"]: r for r in rows if r["op"] == "attention-mixed"}
+    assert set(by) == {name for name, _ in km.MIXED_KERNELS}
+    one = by["flashinfer mixed: one prefill plan (fa3)"]
+    assert one["status"] == "ok" and one["tokens"] == 16 + 2 and one["time_us"] == 50.0 and one["gbps"] > 0
+    assert by["flashinfer mixed: batched POD (fa2)"]["status"] in ("mismatch", "failed")

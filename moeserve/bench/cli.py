@@ -1,12 +1,13 @@
-"""``moeserve bench [run|kernels|online|startup]``: the benchmark commands.
+"""``moeserve bench [run|kernels|online|startup|vllm-plugin]``: the benchmark commands.
 
 ``moeserve bench`` (or ``moeserve bench run``) is the offline benchmark: the configured model under
 static prefill/decode batches and a mixed workload at each concurrency, on moeserve and on each vLLM
 configuration in ``bench.vllm.configs`` (each in its own worker process), with the decode roofline,
 written as a table, JSON, markdown and plots. With neither ``--config`` nor ``--model`` it picks the
 embedded GPU benchmark (``presets/bench-gpu.yaml``) on a CUDA machine and a short tiny-model run on
-CPU. ``moeserve bench kernels`` cross-checks and times the attention and MoE kernels on the model's
-shapes; ``online`` and ``startup`` live in their own modules. Put flags after the mode.
+CPU. ``moeserve bench kernels`` cross-checks and times the attention (decode, prefill, and a mixed step:
+one prefill plan against batched POD) and MoE kernels on the model's shapes; ``online``, ``startup`` and
+``vllm-plugin`` live in their own modules. Put flags after the mode.
 """
 from __future__ import annotations
 

@@ -395,6 +395,18 @@ def run_rows(cfg, arch, dtype, device, cap: tuple[int, int], batches, prefill_ba
                 work.append((_row(name, op + ("-prefill" if t > b else "-decode"), moe, b, t), needs,
                              lambda t=t, m=maker: (lambda: m(sh, moe_in(t), weights()), moe_ref(t), MOE_TOL,
                                                    moe_traffic(sh, moe_in(t)))))
+    from moeserve.bench import kernels_mixed as km
+
+    def mixed_in(b):
+        return lazy(("x", b), lambda: km.mixed_inputs(sh, b, device, gen))
+
+    for name, needs in km.MIXED_KERNELS:
+        for b in batches:
+            work.append((_row(name, "attention-mixed", f"{attn} 1x{sh.prompt_len} + {b} decodes ctx={sh.context_len}",
+                              b, sh.prompt_len + b), needs,
+                         lambda b=b, mk=km.maker(name, sh, ws): (
+                             lambda: mk(mixed_in(b)), lazy(("xr", b), lambda: km.mixed_reference(sh, mixed_in(b))),
+                             ATTN_TOL, km.mixed_traffic(sh, mixed_in(b)))))
     rows, t0, lost = [], time.monotonic(), None
     for row, needs, prepare in work:
         rows.append(row)
@@ -446,8 +458,10 @@ def run(args) -> int:
     if device.type != "cuda":
         reason = f"needs a CUDA GPU; this run is on {device}" + ("" if hw_cuda else " (no GPU here)")
         log("bench kernels: no CUDA GPU here; every kernel is skipped")
+        from moeserve.bench.kernels_mixed import MIXED_KERNELS
+        names = [(n, op) for n, op, _ in KERNELS] + [(n, "attention-mixed") for n, _ in MIXED_KERNELS]
         result["kernels"] = [dict(_row(n, op, "-", b, b), status="skipped", reason=reason)
-                             for n, op, _ in KERNELS for b in batches]
+                             for n, op in names for b in batches]
     else:
         if dtype not in (torch.bfloat16, torch.float16):
             log(f"bench kernels: {dtype} is not a kernel dtype here; using bfloat16")
