@@ -11,6 +11,10 @@ weights a decode step reads; two engines are only compared like for like on the 
 With ``bench.vllm.dummy_init: moeserve`` (the default) the vLLM worker registers :func:`register` as a vLLM
 general plugin (an entry point in a ``.dist-info`` on the worker's ``PYTHONPATH``); vLLM loads it in every
 one of its processes, and it replaces the dummy initializer with :func:`init_like_moeserve`.
+
+Not covered: layers vLLM quantises online (``quantization: fp8`` on a high-precision checkpoint) are drawn by
+``initialize_single_dummy_weight``, which keeps vLLM's rule. Block-FP8 checkpoints (a ``config.json`` with
+``quantization_config``, as ``moeserve.quant.export.write_fp8_config`` writes) are covered.
 """
 from __future__ import annotations
 
