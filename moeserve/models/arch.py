@@ -100,6 +100,25 @@ def sparse_layers(hf: dict, num_layers: int, first_dense: int = 0) -> tuple[bool
                  for i in range(num_layers))
 
 
+def common_fields(hf: dict, model_type: str, max_position_embeddings: int, rms_norm_eps: float) -> dict:
+    """The ``ArchConfig`` fields every family reads the same way from its HF config (the two defaults differ
+    by family); a family adds the rest (rotary dim, biases, norms, routing, MoE layout)."""
+    require(hf, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok",
+            "moe_intermediate_size")
+    heads = hf["num_attention_heads"]
+    return dict(
+        model_type=model_type, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"], num_heads=heads, num_kv_heads=hf.get("num_key_value_heads", heads),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        max_position_embeddings=hf.get("max_position_embeddings", max_position_embeddings),
+        rms_norm_eps=hf.get("rms_norm_eps", rms_norm_eps), rope_theta=rope_theta(hf), rope_scaling=rope_scaling(hf),
+        dense_intermediate_size=hf.get("intermediate_size", 0), moe_intermediate_size=hf["moe_intermediate_size"],
+        num_experts=num_experts(hf), tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        eos_token_ids=eos_ids(hf), initializer_range=hf.get("initializer_range", 0.02),
+        torch_dtype=hf.get("torch_dtype", hf.get("dtype")),
+    )
+
+
 def require(hf: dict, *keys: str):
     missing = [k for k in keys if k not in hf]
     if missing:

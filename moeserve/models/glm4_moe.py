@@ -10,8 +10,7 @@ full checkpoints carry after the last decoder layer is not used.
 """
 from __future__ import annotations
 
-from moeserve.models.arch import (ArchConfig, eos_ids, num_experts, partial_rotary_factor, require, rope_scaling,
-                                  rope_theta, sparse_layers)
+from moeserve.models.arch import ArchConfig, common_fields, partial_rotary_factor, sparse_layers
 from moeserve.ops.moe.routing import RoutingConfig
 
 # transformers' Glm4MoeConfig fills partial_rotary_factor with 0.5 when a config leaves it out.
@@ -19,38 +18,25 @@ DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
 
 
 def arch_config(hf: dict) -> ArchConfig:
-    require(hf, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok",
-            "moe_intermediate_size")
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    layers = hf["num_hidden_layers"]
+    base = common_fields(hf, "glm4_moe", max_position_embeddings=131072, rms_norm_eps=1e-5)
+    head_dim, experts = base["head_dim"], base["num_experts"]
     rotary_dim = int(head_dim * partial_rotary_factor(hf, DEFAULT_PARTIAL_ROTARY_FACTOR))
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
         raise ValueError(f"config.json (glm4_moe): partial_rotary_factor gives rotary dim {rotary_dim}; it must be an "
                          f"even number in (0, head_dim={head_dim}]")
     n_group = int(hf.get("n_group", 1) or 1)
     topk_group = int(hf.get("topk_group", 1) or 1)
-    experts = num_experts(hf)
     if experts % n_group:
         raise ValueError(f"config.json (glm4_moe): n_routed_experts ({experts}) is not divisible by n_group "
                          f"({n_group})")
     return ArchConfig(
-        model_type="glm4_moe",
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=layers,
-        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads", heads), head_dim=head_dim,
-        max_position_embeddings=hf.get("max_position_embeddings", 131072),
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=rope_theta(hf), rotary_dim=rotary_dim,
-        rope_scaling=rope_scaling(hf), qkv_bias=bool(hf.get("attention_bias", False)), o_bias=False,
+        **base, rotary_dim=rotary_dim, qkv_bias=bool(hf.get("attention_bias", False)), o_bias=False,
         qk_norm=bool(hf.get("use_qk_norm", False)),
-        dense_intermediate_size=hf.get("intermediate_size", 0),
-        moe_intermediate_size=hf["moe_intermediate_size"], num_experts=experts,
         routing=RoutingConfig("deepseek_v3", hf["num_experts_per_tok"], bool(hf.get("norm_topk_prob", True)),
                               n_group, topk_group, float(hf.get("routed_scaling_factor", 1.0))),
-        moe_layers=sparse_layers(hf, layers, first_dense=int(hf.get("first_k_dense_replace", 1))),
+        moe_layers=sparse_layers(hf, base["num_layers"], first_dense=int(hf.get("first_k_dense_replace", 1))),
         shared_expert_intermediate_size=hf["moe_intermediate_size"] * int(hf.get("n_shared_experts", 0) or 0),
         shared_expert_gate=False, routing_correction_bias=True, router_fp32=True,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), eos_token_ids=eos_ids(hf),
-        initializer_range=hf.get("initializer_range", 0.02), torch_dtype=hf.get("torch_dtype", hf.get("dtype")),
     )
 
 
