@@ -114,11 +114,17 @@ def _edit(d, fn):
     save_file(sd, path)
 
 
-def test_missing_scale_is_named(checkpoints, tmp_path):
+def _edited_copy(src, d, fn):
+    """A copy of checkpoint ``src`` at ``d`` whose tensors ``fn`` has edited."""
     import shutil
-    d = tmp_path / "bad"
-    shutil.copytree(checkpoints["qwen3_moe"] / "fp8", d)
-    _edit(d, lambda sd: sd.pop("model.layers.1.mlp.experts.5.down_proj.weight_scale_inv"))
+    shutil.copytree(src, d)
+    _edit(d, fn)
+    return d
+
+
+def test_missing_scale_is_named(checkpoints, tmp_path):
+    d = _edited_copy(checkpoints["qwen3_moe"] / "fp8", tmp_path / "bad",
+                     lambda sd: sd.pop("model.layers.1.mlp.experts.5.down_proj.weight_scale_inv"))
     with pytest.raises(WeightError, match=r"'model\.layers\.1\.mlp\.experts\.5\.down_proj\.weight' is float8_e4m3fn but "
                                           r"its block scales 'model\.layers\.1\.mlp\.experts\.5\.down_proj\.weight_scale_inv' "
                                           r"are not in the checkpoint"):
@@ -126,10 +132,8 @@ def test_missing_scale_is_named(checkpoints, tmp_path):
 
 
 def test_misshaped_scale_is_named(checkpoints, tmp_path):
-    import shutil
-    d = tmp_path / "bad"
-    shutil.copytree(checkpoints["qwen3_moe"] / "fp8", d)
-    _edit(d, lambda sd: sd.__setitem__("model.layers.0.self_attn.o_proj.weight_scale_inv", torch.ones(3, 2)))
+    d = _edited_copy(checkpoints["qwen3_moe"] / "fp8", tmp_path / "bad",
+                     lambda sd: sd.__setitem__("model.layers.0.self_attn.o_proj.weight_scale_inv", torch.ones(3, 2)))
     with pytest.raises(WeightError, match=r"'model\.layers\.0\.self_attn\.o_proj\.weight_scale_inv' has shape \[3, 2\] but "
                                           r"'model\.layers\.0\.self_attn\.o_proj\.weight' of shape \[128, 256\] needs "
                                           r"128x128 block scales of shape \[1, 2\]"):
@@ -138,14 +142,11 @@ def test_misshaped_scale_is_named(checkpoints, tmp_path):
 
 def test_fp8_tensor_into_a_high_precision_layer_is_dequantised(checkpoints, tmp_path):
     """A router stored as FP8 (some exporters do) is dequantised into moeserve's float32 router."""
-    import shutil
     from moeserve.quant.fp8 import block_dequant_fp8, block_quant_fp8
-    d = tmp_path / "fp8router"
-    shutil.copytree(checkpoints["glm4_moe"] / "fp8", d)
+    src = checkpoints["glm4_moe"] / "fp8"
     name = "model.layers.1.mlp.gate.weight"
-    original = load_file(d / "model.safetensors")[name]
-    q, s = block_quant_fp8(original)
-    _edit(d, lambda sd: sd.update({name: q, name + "_scale_inv": s}))
+    q, s = block_quant_fp8(load_file(src / "model.safetensors")[name])
+    d = _edited_copy(src, tmp_path / "fp8router", lambda sd: sd.update({name: q, name + "_scale_inv": s}))
     llm = LLM(model=str(d), **SMALL)
     gate = llm.engine.runner.model.layers[1].mlp.gate.weight
     assert gate.dtype == torch.float32 and torch.equal(gate, block_dequant_fp8(q, s))
