@@ -125,8 +125,8 @@ def test_mixed_step_page_tables_describe_the_reference():
     inp = km.mixed_inputs(sh, 3, "cpu", torch.Generator().manual_seed(1))
     ref = km.mixed_reference(sh, inp)
     assert ref.shape == (6 + 3, sh.num_heads, sh.head_dim)
-    every = csr_attention(sh, inp["q"], inp["kv"], inp["qo_indptr_all"], inp["indptr_all"], inp["indices_all"],
-                          inp["last_all"])
+    every = csr_attention(sh, inp["q"], inp["kv"], inp["qo_indptr_host"], inp["indptr_host"], inp["indices"],
+                          inp["last_host"])
     torch.testing.assert_close(every, ref, atol=1e-5, rtol=1e-5)
     p, d = inp["p"], inp["d"]
     parts = torch.cat([csr_attention(sh, inp["q_p"], inp["kv"], p["qo_indptr_host"], p["indptr_host"], p["indices"],
@@ -134,17 +134,17 @@ def test_mixed_step_page_tables_describe_the_reference():
                        csr_attention(sh, inp["q_d"], inp["kv"], d["qo_indptr_host"], d["indptr_host"],
                                      inp["indices_d"], d["last_host"])])
     torch.testing.assert_close(parts, ref, atol=1e-5, rtol=1e-5)
-    assert len(set(inp["indices_all"].tolist())) == inp["indices_all"].numel()  # no page shared
+    assert len(set(inp["indices"].tolist())) == inp["indices"].numel()  # no page shared
 
 
 def test_mixed_rows_are_checked_and_timed(monkeypatch):
     from moeserve.bench import kernels_mixed as km
 
     def stand_in(sh, inp, ws, *a):
-        tables = (inp["qo_indptr_all"], inp["indptr_all"], inp["indices_all"], inp["last_all"])
+        tables = (inp["qo_indptr_host"], inp["indptr_host"], inp["indices"], inp["last_host"])
         return (lambda q, kv: csr_attention(sh, q, kv, *tables).to(q.dtype)), (inp["q"], inp["kv"]), False
 
-    monkeypatch.setattr(km, "one_plan", stand_in)
+    monkeypatch.setattr(km, "fi_prefill", stand_in)
     monkeypatch.setattr(km, "batched_pod", lambda sh, inp, ws: ((lambda q: q), (inp["q"],), False))  # wrong
     monkeypatch.setattr(K, "time_us", lambda fn, args, graph: (50.0, "stand-in"))
     cfg = make_config(model="tiny", bench={"prompt_len": 16, "output_len": 8, "concurrency": [1, 2]})

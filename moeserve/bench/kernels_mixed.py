@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.bench.kernels import (_flashinfer, attention_reference, attention_traffic, paged_inputs)
+from moeserve.bench.kernels import _flashinfer, attention_reference, attention_traffic, fi_prefill, paged_inputs
 
 MIXED_KERNELS = (  # (name, needs)
     ("flashinfer mixed: one prefill plan (fa3)", "sm90"),
@@ -21,7 +21,8 @@ MIXED_KERNELS = (  # (name, needs)
 
 def mixed_inputs(sh, decodes: int, device, gen) -> dict:
     """The prompt chunk and the decode rows on one cache: ``q`` is the chunk's rows then one row per decode
-    request; CSR indices for all rows together (``*_all``) and for each part."""
+    request; the CSR tables of all rows together under the keys ``paged_inputs`` uses (so ``fi_prefill``
+    takes them as they are), and each part's in ``p`` and ``d`` (the decode pages at ``indices_d``)."""
     p = paged_inputs(sh, 1, sh.prompt_len, sh.prompt_len, device, gen)
     d = paged_inputs(sh, decodes, sh.context_len, 1, device, gen)
     n_p = p["kv"].shape[0]
@@ -30,10 +31,10 @@ def mixed_inputs(sh, decodes: int, device, gen) -> dict:
     return {
         "p": p, "d": d, "kv": torch.cat([p["kv"], d["kv"]]), "q": torch.cat([p["q"], d["q"]]),
         "q_p": p["q"], "q_d": d["q"], "indices_d": d_indices,
-        "qo_indptr_all": torch.cat([p["qo_indptr_host"], d["qo_indptr_host"][1:] + p["qo_indptr_host"][-1]]),
-        "indptr_all": torch.cat([ind_p, ind_d[1:] + ind_p[-1]]),
-        "indices_all": torch.cat([p["indices"], d_indices]),
-        "last_all": torch.cat([p["last_host"], d["last_host"]]),
+        "qo_indptr_host": torch.cat([p["qo_indptr_host"], d["qo_indptr_host"][1:] + p["qo_indptr_host"][-1]]),
+        "indptr_host": torch.cat([ind_p, ind_d[1:] + ind_p[-1]]),
+        "indices": torch.cat([p["indices"], d_indices]),
+        "last_host": torch.cat([p["last_host"], d["last_host"]]),
     }
 
 
@@ -44,16 +45,6 @@ def mixed_reference(sh, inp: dict) -> torch.Tensor:
 def mixed_traffic(sh, inp: dict) -> tuple[float, float]:
     (mp, fp), (md, fd) = attention_traffic(sh, inp["p"]), attention_traffic(sh, inp["d"])
     return mp + md, fp + fd
-
-
-def one_plan(sh, inp: dict, ws: torch.Tensor, backend: str):
-    """What the engine does for a mixed step: one causal prefill plan in which decode rows are 1-token queries."""
-    fi = _flashinfer()
-    w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
-    w.plan(inp["qo_indptr_all"], inp["indptr_all"], inp["indices_all"], inp["last_all"], sh.num_heads,
-           sh.num_kv_heads, sh.head_dim, sh.page_size, causal=True, q_data_type=sh.dtype, kv_data_type=sh.dtype,
-           sm_scale=sh.scale)
-    return (lambda q, kv: w.run(q, kv)), (inp["q"], inp["kv"]), False
 
 
 def batched_pod(sh, inp: dict, ws: torch.Tensor):
@@ -76,8 +67,7 @@ def batched_pod(sh, inp: dict, ws: torch.Tensor):
 
 def maker(name: str, sh, ws: torch.Tensor):
     """``inputs -> (fn, args, use_cuda_graph)`` for one of ``MIXED_KERNELS``."""
-    if name.endswith("(fa3)"):
-        return lambda inp: one_plan(sh, inp, ws, "fa3")
-    if name.endswith("(fa2)") and "one prefill plan" in name:
-        return lambda inp: one_plan(sh, inp, ws, "fa2")
+    if "one prefill plan" in name:  # what the engine does: decode rows are 1-token queries of one causal plan
+        backend = "fa3" if name.endswith("(fa3)") else "fa2"
+        return lambda inp: fi_prefill(sh, inp, ws, backend)
     return lambda inp: batched_pod(sh, inp, ws)
