@@ -157,3 +157,9 @@ def test_mixed_rows_are_checked_and_timed(monkeypatch):
     one = by["flashinfer mixed: one prefill plan (fa3)"]
     assert one["status"] == "ok" and one["tokens"] == 16 + 2 and one["time_us"] == 50.0 and one["gbps"] > 0
     assert by["flashinfer mixed: batched POD (fa2)"]["status"] in ("mismatch", "failed")
+    args.kernels = "POD"
+    rows = K.run_rows(cfg, arch, torch.bfloat16, torch.device("cpu"), (9, 0), [2], [2], args, lambda s: None,
+                      lambda r: None)
+    ran = {r["kernel"] for r in rows if r["status"] != "skipped"}
+    assert ran == {"flashinfer mixed: batched POD (fa2)"}
+    assert all("--kernels" in r["reason"] for r in rows if r["status"] == "skipped")

@@ -73,6 +73,8 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-sizes", type=int, nargs="+", metavar="N", help="decode batch sizes (default: "
                    "bench.concurrency)")
     g.add_argument("--time-budget", type=float, metavar="SECONDS", help="skip kernels not started by then")
+    g.add_argument("--kernels", metavar="REGEX", help="run only the kernels whose name matches (case-insensitive "
+                   "search, e.g. 'mixed' or 'decode'); the others are listed as skipped")
     g.add_argument("--allow-slow-jit", action="store_true",
                    help="also run kernels whose FlashInfer module is not built yet and takes many minutes to "
                         "compile (the CUTLASS fused MoE)")

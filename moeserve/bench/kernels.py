@@ -18,6 +18,7 @@ listed as skipped with the reason; one that fails is listed as failed and the re
 """
 from __future__ import annotations
 
+import re
 import statistics
 import time
 import traceback
@@ -408,9 +409,13 @@ def run_rows(cfg, arch, dtype, device, cap: tuple[int, int], batches, prefill_ba
                              lambda: mk(mixed_in(b)), lazy(("xr", b), lambda: km.mixed_reference(sh, mixed_in(b))),
                              ATTN_TOL, km.mixed_traffic(sh, mixed_in(b)))))
     rows, t0, lost = [], time.monotonic(), None
+    wanted = getattr(args, "kernels", None)
     for row, needs, prepare in work:
         rows.append(row)
-        why = lost or skip_reason(needs, cap, args.allow_slow_jit)
+        if wanted and not re.search(wanted, row["kernel"], re.IGNORECASE):
+            why = lost or f"not selected by --kernels {wanted!r}"
+        else:
+            why = lost or skip_reason(needs, cap, args.allow_slow_jit)
         if why is None and args.time_budget is not None and time.monotonic() - t0 > args.time_budget:
             why = f"--time-budget of {args.time_budget:.0f} s used up"
         if why is not None:
