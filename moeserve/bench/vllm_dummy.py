@@ -55,15 +55,18 @@ def _is_scale(module: torch.nn.Module, name: str) -> bool:
 def _fill_fp8(p: torch.Tensor, scale: torch.Tensor | None, std: float, gen: torch.Generator) -> bool:
     """Draw ``p`` in bf16, quantise it with 128x128 block scales into ``p`` and ``scale``; False when the
     scale's shape is not the block layout (the caller then leaves the tensor to vLLM's own rule)."""
-    from moeserve.quant.fp8 import block_quant_fp8
-    if scale is None or p.dim() < 2:
+    from moeserve.quant.fp8 import block_scale_shape, block_quant_fp8
+    if scale is None or p.dim() < 2 or not (p.is_contiguous() and scale.is_contiguous()):
         return False
-    draw = torch.empty(p.shape, dtype=torch.bfloat16, device=p.device).normal_(0.0, std, generator=gen)
-    q, s = block_quant_fp8(draw)
-    if tuple(s.shape) != tuple(scale.shape):
+    if tuple(scale.shape) != (*p.shape[:-2], *block_scale_shape(*p.shape[-2:])):
         return False
-    p.copy_(q.to(p.dtype))
-    scale.copy_(s.to(scale.dtype))
+    # one matrix at a time (one expert of a fused MoE weight): the float32 work stays small beside the weights
+    flat_p, flat_s = p.view(-1, *p.shape[-2:]), scale.view(-1, *scale.shape[-2:])
+    for i in range(flat_p.shape[0]):
+        draw = torch.empty(flat_p.shape[1:], dtype=torch.bfloat16, device=p.device).normal_(0.0, std, generator=gen)
+        q, s = block_quant_fp8(draw)
+        flat_p[i].copy_(q.to(p.dtype))
+        flat_s[i].copy_(s.to(scale.dtype))
     return True
 
 
