@@ -119,6 +119,9 @@ class EngineConfig(_Strict):
     cuda_graph_batch_sizes: list[int] | None = None
     enforce_eager: bool = False
     torch_compile: bool = False
+    # Schedule and launch the next step while the GPU still runs the current one (vLLM's
+    # --async-scheduling, SGLang's overlap scheduler); its tokens reach the host one step later.
+    async_scheduling: bool = True
 
     backends: BackendConfig = Field(default_factory=BackendConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)

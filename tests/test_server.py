@@ -281,16 +281,16 @@ def test_full_queue_answers_503_and_accepted_requests_finish(server):
 
 def test_failing_engine_step_fails_its_requests_and_the_server_keeps_serving(server, monkeypatch):
     runner = server.engine.runner
-    real_execute = runner.execute
+    real_launch = runner.launch
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected kernel failure")
-        return real_execute(*args, **kwargs)
+        return real_launch(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "execute", flaky)
+    monkeypatch.setattr(runner, "launch", flaky)
     bad = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 5, 5], "max_tokens": 8, "ignore_eos": True},
                      timeout=60)
     assert bad.status_code == 500

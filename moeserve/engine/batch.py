@@ -1,7 +1,12 @@
 """Turning a scheduled step into device tensors: token ids, positions and the attention CSR metadata.
 
 All integer metadata of a step is packed into one int32 host buffer (pinned on GPU machines) and moved
-to the device with a single copy; the host views stay available for FlashInfer's ``plan()``.
+to the device with a single copy; the host views stay available for FlashInfer's ``plan()``. Each step
+gets a fresh pinned buffer from torch's caching host allocator, which does not hand a buffer out again
+before its copy has run, so a step can be built while the previous one is still on the GPU.
+
+A token sampled by the previous step but not yet on the host (asynchronous scheduling) is fed from that
+step's device tensor of sampled tokens: the builder writes 0 in its place and a device gather fills it.
 """
 from __future__ import annotations
 
@@ -28,25 +33,31 @@ class BatchBuilder:
     def __init__(self, page_size: int, max_tokens: int, max_seqs: int, max_pages: int, device: torch.device):
         self.page_size = page_size
         self.device = device
-        cap = 5 * max_tokens + 4 * (max_seqs + 1) + max_pages + 64
-        pin = device.type == "cuda"
-        self.host = torch.zeros(cap, dtype=torch.int32, pin_memory=pin)
-        self.dev = torch.zeros(cap, dtype=torch.int32, device=device) if pin else None
+        cap = 5 * max_tokens + 6 * (max_seqs + 1) + max_pages + 64
+        self.pin = device.type == "cuda"
+        self.dev = torch.zeros(cap, dtype=torch.int32, device=device) if self.pin else None
 
-    def build(self, items: list[ScheduledSeq], pad_to: int | None = None) -> StepBatch:
+    def build(self, items: list[ScheduledSeq], pad_to: int | None = None,
+              prev_tokens: torch.Tensor | None = None) -> StepBatch:
+        """``prev_tokens``: the previous step's sampled tokens on the device, for in-flight inputs."""
         if all(it.num_tokens == 1 for it in items):
             fields = self._single_token_fields(items)
         else:
             fields = self._chunk_fields(items)
-        return self._finish(items, fields, pad_to)
+        return self._finish(items, fields, pad_to, prev_tokens)
 
     def _single_token_fields(self, items: list[ScheduledSeq]):
         """Decode steps: one token per request, built with plain lists (cheaper than numpy at this size)."""
         ps = self.page_size
-        ids, pos, slots, qo, kvp, indices, last = [], [], [], [0], [0], [], []
+        ids, pos, slots, qo, kvp, indices, last, fix_dst, fix_src = [], [], [], [0], [0], [], [], [], []
         for b, it in enumerate(items):
             s, p = it.seq, it.start
-            ids.append(s.token_slice(p, p + 1)[0])
+            if p < s.num_resolved:
+                ids.append(s.token_slice(p, p + 1)[0])
+            else:
+                ids.append(0)
+                fix_dst.append(b)
+                fix_src.append(s.last_row)
             pos.append(p)
             npages = p // ps + 1
             pages = s.pages[:npages]
@@ -56,16 +67,23 @@ class BatchBuilder:
             indices.extend(pages)
             last.append(p + 1 - (npages - 1) * ps)
         logit_idx = [b for b, it in enumerate(items) if it.samples]
-        return ids, pos, slots, list(range(len(items))), qo, kvp, last, indices, logit_idx
+        return ids, pos, slots, list(range(len(items))), qo, kvp, last, indices, logit_idx, fix_dst, fix_src
 
     def _chunk_fields(self, items: list[ScheduledSeq]):
         ps = self.page_size
         ids, pos, slots, bidx, qo, kvp, indices, last, logit_idx = [], [], [], [], [0], [0], [], [], []
+        fix_dst, fix_src = [], []
         for b, it in enumerate(items):
             s, start, n = it.seq, it.start, it.num_tokens
             end = start + n
             p = np.arange(start, end, dtype=np.int64)
-            ids.append(np.asarray(s.token_slice(start, end), dtype=np.int64))
+            known = s.token_slice(start, min(end, s.num_resolved))
+            if len(known) < n:  # the last token is in flight (only ever one, and only the last)
+                assert len(known) == n - 1, f"{s!r}: more than one in-flight token in a step"
+                known = known + [0]
+                fix_dst.append(qo[-1] + n - 1)
+                fix_src.append(s.last_row)
+            ids.append(np.asarray(known, dtype=np.int64))
             pos.append(p)
             npages = -(-end // ps)
             pages = np.asarray(s.pages[:npages], dtype=np.int64)
@@ -78,10 +96,10 @@ class BatchBuilder:
             if it.samples:
                 logit_idx.append(qo[-1] - 1)
         cat = lambda xs: np.concatenate(xs).tolist() if xs else []  # noqa: E731
-        return cat(ids), cat(pos), cat(slots), cat(bidx), qo, kvp, last, cat(indices), logit_idx
+        return cat(ids), cat(pos), cat(slots), cat(bidx), qo, kvp, last, cat(indices), logit_idx, fix_dst, fix_src
 
-    def _finish(self, items, fields, pad_to) -> StepBatch:
-        ids, pos, slots, bidx, qo, kvp, last, indices, logit_idx = fields
+    def _finish(self, items, fields, pad_to, prev_tokens) -> StepBatch:
+        ids, pos, slots, bidx, qo, kvp, last, indices, logit_idx, fix_dst, fix_src = fields
         num_real, seq_lens = len(items), [it.start + it.num_tokens for it in items]
         query_lens = [it.num_tokens for it in items]
         if pad_to is not None and pad_to > num_real:
@@ -95,11 +113,11 @@ class BatchBuilder:
             last = last + [1] * extra
             seq_lens += [1] * extra
             query_lens += [1] * extra
-        fields = [ids, pos, slots, bidx, qo, kvp, last, indices, logit_idx]
+        fields = [ids, pos, slots, bidx, qo, kvp, last, indices, logit_idx, fix_dst, fix_src]
         sizes = [len(f) for f in fields]
         flat = np.fromiter((v for f in fields for v in f), dtype=np.int32, count=sum(sizes))
         n_all = len(flat)
-        host = self.host[:n_all]
+        host = torch.empty(n_all, dtype=torch.int32, pin_memory=self.pin)
         host.numpy()[:] = flat
         if self.dev is not None:
             dev = self.dev[:n_all]
@@ -109,6 +127,10 @@ class BatchBuilder:
         offs = np.concatenate([[0], np.cumsum(sizes)])
         h = [host[offs[i]:offs[i + 1]] for i in range(len(fields))]
         d = [dev[offs[i]:offs[i + 1]] for i in range(len(fields))]
+        if fix_dst:
+            if prev_tokens is None:
+                raise RuntimeError("a step feeds in-flight tokens but the previous step's tokens were not given")
+            d[0].index_copy_(0, d[9].long(), prev_tokens.index_select(0, d[10].long()).to(torch.int32))
         t = sizes[0]
         attn = AttentionInputs(
             num_seqs=len(qo) - 1, num_tokens=t, query_lens=query_lens, seq_lens=seq_lens,

@@ -64,10 +64,12 @@ class DecodeGraphs:
             if bar is not None:
                 bar.stop()
 
-    def replay(self, bs: int, batch: StepBatch) -> torch.Tensor:
+    def replay(self, bs: int, batch: StepBatch, after_plan=None) -> torch.Tensor:
         ids, pos = self.inputs[bs]
         ids.copy_(batch.input_ids)
         pos.copy_(batch.positions)
         self.runner.ops.attention.begin_graph(bs, batch.attn)
+        if after_plan is not None:
+            after_plan()
         self.graphs[bs].replay()
         return self.outputs[bs]

@@ -1,9 +1,17 @@
 """The model runner: builds the model on its device with the chosen backends, sizes the KV cache, and
-runs one scheduled step (forward, logits, sampling), through captured CUDA graphs for decode steps."""
+runs one scheduled step (forward, logits, sampling), through captured CUDA graphs for decode steps.
+
+A step is launched (``launch``: everything queued on the GPU, the sampled tokens copied into pinned host
+memory behind an event) and later waited for (``wait``); ``execute`` does both. Between the two the host
+is free to schedule and launch the next step, which reads the tokens it feeds from this step's device
+tensor. FlashInfer's ``plan()`` writes the next step's schedule into a pinned buffer of the wrapper before
+copying it to the device, so each plan waits for the copy of the previous one (an event; by then long done).
+"""
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +39,15 @@ def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: torch.de
     if device.type == "cpu":
         return torch.float32
     return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device; ``tokens`` holds one sampled token per sampling request, in order."""
+    items: list[ScheduledSeq]
+    tokens: torch.Tensor | None = None  # device, int64
+    host: torch.Tensor | None = None  # pinned copy of tokens
+    event: torch.cuda.Event | None = None
 
 
 class ModelRunner:
@@ -104,6 +121,7 @@ class ModelRunner:
         self.builder = BatchBuilder(self.page_size, max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
                                     cfg.max_num_seqs, num_pages + cfg.max_num_seqs, self.device)
         self.graphs = None
+        self._plan_copied = None  # event after the last plan()'s host-to-device copy
         self.graph_capture_seconds = 0.0
         self.graph_memory_bytes = 0
         self.init_seconds = time.perf_counter() - t_start
@@ -212,36 +230,77 @@ class ModelRunner:
             top_p=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev),
             min_p=torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev),
             greedy=[p.greedy for p in ps], seeds=[p.seed for p in ps],
-            steps=[len(it.seq.output_token_ids) for it in items], generators=gens,
+            steps=[it.seq.num_generated for it in items], generators=gens,
         )
 
+    def _before_plan(self) -> None:
+        if self._plan_copied is not None:
+            self._plan_copied.synchronize()
+
+    def _after_plan(self) -> None:
+        if self.device.type == "cuda":
+            if self._plan_copied is None:
+                self._plan_copied = torch.cuda.Event()
+            self._plan_copied.record()
+
     @torch.no_grad()
-    def forward_logits(self, items: list[ScheduledSeq], is_decode: bool) -> torch.Tensor:
-        """Logits of every request in ``items`` that samples this step (float32 ``[S, V]``)."""
+    def forward_logits(self, items: list[ScheduledSeq], is_decode: bool,
+                       prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of every request in ``items`` that samples this step (float32 ``[S, V]``); ``prev_tokens``
+        are the previous step's sampled tokens on the device, for the inputs still in flight."""
         graphs = self.graphs
         if graphs is not None and is_decode and len(items) <= graphs.max_batch_size:
             bucket = graphs.bucket(len(items))
-            batch = self.builder.build(items, pad_to=bucket)
-            logits = graphs.replay(bucket, batch)
+            batch = self.builder.build(items, pad_to=bucket, prev_tokens=prev_tokens)
+            self._before_plan()
+            logits = graphs.replay(bucket, batch, after_plan=self._after_plan)
             if all(it.samples for it in items):
                 return logits[:len(items)]
             return logits[batch.logits_indices.long()]
-        batch = self.builder.build(items)
+        batch = self.builder.build(items, prev_tokens=prev_tokens)
+        self._before_plan()
         self.ops.attention.begin(batch.attn)
+        self._after_plan()
         hidden = self.model(batch.input_ids, batch.positions)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     @torch.no_grad()
-    def execute(self, items: list[ScheduledSeq], is_decode: bool) -> list[int | None]:
+    def launch(self, items: list[ScheduledSeq], is_decode: bool, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step on the device and return without waiting for it. Each sampling request's
+        ``last_row`` becomes its row in the step's tokens."""
+        step = LaunchedStep(items)
         if not items:
-            return []
-        logits = self.forward_logits(items, is_decode)
+            return step
+        logits = self.forward_logits(items, is_decode, prev.tokens if prev is not None else None)
         sampling = [it for it in items if it.samples]
         if not sampling:
-            return [None] * len(items)
+            return step
         if all(it.seq.params.greedy for it in sampling):  # no per-request tensors to build and copy
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = logits.argmax(dim=-1)
         else:
-            tokens = self.sampler.sample(logits, self.sampling_batch(sampling)).tolist()
-        it_tokens = iter(tokens)
-        return [next(it_tokens) if it.samples else None for it in items]
+            tokens = self.sampler.sample(logits, self.sampling_batch(sampling))
+        for row, it in enumerate(sampling):
+            it.seq.last_row = row
+        step.tokens = tokens
+        if self.device.type == "cuda":
+            step.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            step.host.copy_(tokens, non_blocking=True)
+            step.event = torch.cuda.Event()
+            step.event.record()
+        else:
+            step.host = tokens
+        return step
+
+    def wait(self, step: LaunchedStep) -> list[int | None]:
+        """Block until the step's tokens are on the host; one entry per item, ``None`` where it did not sample."""
+        if step.tokens is None:
+            return [None] * len(step.items)
+        if step.event is not None:
+            step.event.synchronize()
+        it_tokens = iter(step.host.tolist())
+        return [next(it_tokens) if it.samples else None for it in step.items]
+
+    @torch.no_grad()
+    def execute(self, items: list[ScheduledSeq], is_decode: bool) -> list[int | None]:
+        """Run one step to completion: its sampled token per item (``None`` where it did not sample)."""
+        return self.wait(self.launch(items, is_decode))

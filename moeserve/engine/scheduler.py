@@ -7,6 +7,12 @@ the remaining budget is cut into chunks over several steps, so one step can hold
 decodes together. When a running request needs a page and none is free, the most recently arrived
 running request is preempted: its pages are freed and it goes back to the front of the queue to be
 recomputed from its tokens later. Its tokens so far are kept, so preemption never changes them.
+
+A step's life here has two halves: ``advance`` when it is launched (the fed tokens count as computed, and
+each sampling request gets one in-flight token) and ``receive`` when its sampled tokens reach the host.
+With asynchronous scheduling the next step is scheduled between the two, planning around the in-flight
+tokens; a request whose in-flight token is already its last (``max_tokens``, ``max_model_len``) is not
+scheduled again.
 """
 from __future__ import annotations
 
@@ -23,11 +29,12 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # tokens already in the cache
     num_tokens: int  # tokens fed this step
+    # True when this step computes the sequence's last pending token, so a new token is sampled (fixed when
+    # the step is scheduled: the sequence grows while the step is in flight)
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the sequence's last pending token, so a new token is sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    def __post_init__(self):
+        self.samples = self.start + self.num_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -104,6 +111,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.done_by_length:  # its last token is in flight; it finishes when that token arrives
+                i += 1
+                continue
             n = min(seq.num_pending, budget)
             while not self._grow(seq, n):
                 victim = self.running[-1]
@@ -130,23 +140,40 @@ class Scheduler:
                 budget -= n
         return out
 
-    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
-        """Advance the scheduled sequences by what the step computed; returns those that finished."""
-        now = time.perf_counter()
-        finished = []
+    def advance(self, out: SchedulerOutput) -> None:
+        """The step of ``out`` is launched: its tokens count as computed; each sampling request has one more
+        token in flight."""
+        for item in out.items:
+            item.seq.num_computed = item.start + item.num_tokens
+            if item.samples:
+                item.seq.num_inflight += 1
+
+    def receive(self, out: SchedulerOutput, sampled: list[int | None], now: float | None = None) -> list[Sequence]:
+        """The tokens of the step of ``out`` arrive (``None`` where a request did not sample); returns the
+        requests that got one. Requests finished or aborted while the step ran drop theirs."""
+        now = now or time.perf_counter()
+        got = []
         for item, token in zip(out.items, sampled):
             seq = item.seq
-            seq.num_computed = item.start + item.num_tokens
-            if token is not None:
-                seq.append_token(token, now)
+            if token is None or seq.is_finished:
+                continue
+            seq.receive_token(token, now)
+            got.append(seq)
             if seq.finish_reason is not None:
                 self.finish(seq, now)
-                finished.append(seq)
-        return finished
+        return got
+
+    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+        """``advance`` and ``receive`` at once (a step run synchronously); returns the requests that finished."""
+        self.advance(out)
+        return [s for s in self.receive(out, sampled) if s.is_finished]
 
     def finish(self, seq: Sequence, now: float | None = None) -> None:
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.waiting:  # preempted while its last token was in flight
+            self.waiting.remove(seq)
         self._release(seq)
+        seq.num_inflight = 0
         seq.status = Status.FINISHED
         seq.timing.finished = now or time.perf_counter()

@@ -30,6 +30,11 @@ class Sequence:
     it are what the next steps must feed through the model (a prompt, a prompt's remaining chunk, or the
     one token sampled last step). Preemption frees the pages and sets ``num_computed`` back to 0, so the
     whole sequence is recomputed as if it were a prompt.
+
+    With asynchronous scheduling the engine launches the next step before the tokens of the last one reach
+    the host: ``num_inflight`` counts the sampled tokens still on the device. They count in ``num_tokens``
+    (the scheduler plans around them, and the step that feeds one reads it from the device at ``last_row``
+    of the previous step's tokens), but not in ``output_token_ids``, which holds only tokens the host has.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -47,6 +52,8 @@ class Sequence:
         self.num_preemptions = 0
         self.timing = Timing()
         self.generator = None  # a torch.Generator for seeded sampling, made on first use
+        self.num_inflight = 0  # sampled tokens not yet on the host
+        self.last_row = -1  # row of the newest in-flight token in its step's sampled tokens
 
     # --- sizes ---------------------------------------------------------------------------------
     @property
@@ -55,13 +62,32 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens so far, the in-flight ones included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def num_resolved(self) -> int:
+        """Tokens whose ids the host has (prompt and received outputs)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        """Sampled tokens so far, the in-flight ones included."""
+        return len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def done_by_length(self) -> bool:
+        """Its sampled tokens (some maybe in flight) already reach ``max_tokens`` or ``max_model_len``, so no
+        further step has anything to compute for it."""
+        p = self.params
+        return (p.max_tokens is not None and self.num_generated >= p.max_tokens) or self.num_tokens >= self.max_model_len
 
     @property
     def num_pending(self) -> int:
         return self.num_tokens - self.num_computed
 
     def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids ``[start, end)``; only resolved tokens have ids on the host."""
         p = self.num_prompt_tokens
         if end <= p:
             return self.prompt_token_ids[start:end]
@@ -70,14 +96,15 @@ class Sequence:
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
     @property
-    def last_token(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
-    @property
     def is_finished(self) -> bool:
         return self.status == Status.FINISHED
 
     # --- progress ------------------------------------------------------------------------------
+    def receive_token(self, token: int, now: float) -> None:
+        """The oldest in-flight token reaches the host."""
+        self.num_inflight -= 1
+        self.append_token(token, now)
+
     def append_token(self, token: int, now: float) -> None:
         self.output_token_ids.append(token)
         if self.timing.first_token is None:
@@ -96,7 +123,7 @@ class Sequence:
         if self.finish_reason is None:
             if p.max_tokens is not None and n_out >= p.max_tokens:
                 self.finish_reason = "length"
-            elif self.num_tokens >= self.max_model_len:
+            elif self.num_resolved >= self.max_model_len:
                 self.finish_reason = "length"
 
     def __repr__(self) -> str:
