@@ -23,7 +23,7 @@ from moeserve.hardware import HardwareInfo, check_gpu_arch, resolve_device
 from moeserve.models import arch_from_hf
 from moeserve.models.layers import MoECausalLM, Ops
 from moeserve.ops import registry
-from moeserve.ops.sampling import SamplingBatch
+from moeserve.ops.sampling import SamplingBatch, to_device
 from moeserve.quant.config import engine_quantization
 from moeserve.weights import init_dummy, load_checkpoint
 
@@ -225,12 +225,14 @@ class ModelRunner:
                 s.generator = self.sampler.make_generator(s.params.seed)
             gens.append(s.generator)
         return SamplingBatch(
-            temperature=torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev),
-            top_k=torch.tensor([p.effective_top_k for p in ps], dtype=torch.int32, device=dev),
-            top_p=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev),
-            min_p=torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev),
+            temperature=to_device([p.temperature for p in ps], torch.float32, dev),
+            top_k=to_device([p.effective_top_k for p in ps], torch.int32, dev),
+            top_p=to_device([p.top_p for p in ps], torch.float32, dev),
+            min_p=to_device([p.min_p for p in ps], torch.float32, dev),
             greedy=[p.greedy for p in ps], seeds=[p.seed for p in ps],
             steps=[it.seq.num_generated for it in items], generators=gens,
+            any_top_k=any(p.effective_top_k > 0 for p in ps), any_top_p=any(p.top_p < 1 for p in ps),
+            any_min_p=any(p.min_p > 0 for p in ps),
         )
 
     def _before_plan(self) -> None:

@@ -17,6 +17,15 @@ import torch
 from moeserve.ops import flashinfer_env  # noqa: F401
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` without waiting for the GPU: through pinned memory, asynchronously
+    (a plain ``torch.tensor(..., device=cuda)`` synchronises the stream, which stalls an overlapped engine)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 @dataclass
 class SamplingBatch:
     temperature: torch.Tensor  # [B] float32, 0 for greedy rows
@@ -27,6 +36,11 @@ class SamplingBatch:
     seeds: list[int | None]
     steps: list[int]  # tokens generated so far by each request: the offset of its seeded stream
     generators: list[torch.Generator | None]  # per-request torch generators (torch sampler, seeded rows)
+
+    # which filters any row uses (known on the host; a row that does not use one gets its no-op value)
+    any_top_k: bool = True
+    any_top_p: bool = True
+    any_min_p: bool = True
 
     @property
     def all_greedy(self) -> bool:
@@ -101,13 +115,11 @@ class FlashInferSampler:
     def make_generator(self, seed: int) -> None:
         return None  # seeded rows use (seed, offset) Philox streams, not generators
 
-    def _sample_rows(self, probs, top_k, top_p, min_p, seed: int, offset: int) -> torch.Tensor:
+    def _sample_rows(self, probs, top_k, top_p, min_p, seed: int, offset: int, batch: SamplingBatch) -> torch.Tensor:
         fs = self.fs
-        seed_t = torch.tensor([seed], dtype=torch.int64, device=self.device)
-        off_t = torch.tensor([offset], dtype=torch.int64, device=self.device)
-        use_k = bool((top_k > 0).any())
-        use_p = bool((top_p < 1).any())
-        use_min = bool((min_p > 0).any())
+        seed_t = to_device([seed], torch.int64, self.device)
+        off_t = to_device([offset], torch.int64, self.device)
+        use_k, use_p, use_min = batch.any_top_k, batch.any_top_p, batch.any_min_p
         vocab = probs.shape[-1]
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).to(torch.int32)
         if use_min:
@@ -130,13 +142,13 @@ class FlashInferSampler:
         sampled = [i for i, g in enumerate(batch.greedy) if not g]
         unseeded = [i for i in sampled if batch.seeds[i] is None]
         if unseeded:
-            idx = torch.tensor(unseeded, device=self.device)
+            idx = to_device(unseeded, torch.int64, self.device)
             seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
             out[idx] = self._sample_rows(probs[idx], batch.top_k[idx], batch.top_p[idx], batch.min_p[idx],
-                                         seed, 0).to(out.dtype)
+                                         seed, 0, batch).to(out.dtype)
         for i in sampled:
             if batch.seeds[i] is not None:
                 sl = slice(i, i + 1)
                 out[sl] = self._sample_rows(probs[sl], batch.top_k[sl], batch.top_p[sl], batch.min_p[sl],
-                                            batch.seeds[i], 4 * batch.steps[i]).to(out.dtype)
+                                            batch.seeds[i], 4 * batch.steps[i], batch).to(out.dtype)
         return out
