@@ -28,8 +28,8 @@ def test_compiled_mlps_with_the_triton_moe_match_eager_on_the_gpu():
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     prompts = [list(range(1, n)) for n in (5, 30, 12)]
     # a small KV pool: both engines are alive at once, and by default each would reserve most of the GPU
-    kw = dict(model="tiny", device="cuda", dtype="bfloat16", max_num_batched_tokens=64, num_kv_pages=64, max_model_len=256,
-              backends={"moe": "triton", "attention": "torch"}, enforce_eager=True)
+    kw = dict(model="tiny", device="cuda", dtype="bfloat16", max_num_batched_tokens=64, num_kv_pages=64,
+              max_model_len=256, backends={"moe": "triton", "attention": "torch"}, enforce_eager=True)
     _, eager_rows = run_recording_logits(LLM(**kw), prompts, params)
     llm = LLM(**kw, torch_compile=True)
     assert llm.engine.runner.ops.moe.name == "triton"
