@@ -182,3 +182,70 @@ def test_fp8_bench_config_implies_fp8_with_dummy_weights(tmp_path):
     runner = llm.engine.runner
     assert runner.load_format == "dummy" and runner.quantization == "fp8" and runner.arch.num_layers == 2
     assert runner.model.layers[0].mlp.w13.dtype == torch.float8_e4m3fn
+
+
+def test_unaligned_dense_mlp_stays_in_high_precision(tmp_path):
+    """A dense MLP 96 wide (not a multiple of 128, like GLM-4.5-Air's 10944) is written in high precision and
+    listed in ignored_layers, as vLLM needs; the engine runs exactly those linears in the model dtype."""
+    make_checkpoint("glm4_moe", tmp_path / "hp", seed=3, **dict(ALIGNED, intermediate_size=96))
+    write_fp8_checkpoint(tmp_path / "hp", tmp_path / "fp8")
+    qc = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
+    mlp0 = [f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")]
+    assert qc["ignored_layers"] == mlp0
+    sd = load_file(tmp_path / "fp8" / "model.safetensors")
+    hp = load_file(tmp_path / "hp" / "model.safetensors")
+    for name in mlp0:
+        assert torch.equal(sd[name + ".weight"], hp[name + ".weight"]) and name + ".weight_scale_inv" not in sd
+    assert sd["model.layers.0.self_attn.o_proj.weight"].dtype == torch.float8_e4m3fn
+    llm = LLM(model=str(tmp_path / "fp8"), max_num_batched_tokens=16, page_size=8, **SMALL)
+    runner = llm.engine.runner
+    assert runner.quantization == "fp8" and runner.high_precision_modules == mlp0
+    mlp = runner.model.layers[0].mlp
+    w = torch.cat([hp["model.layers.0.mlp.gate_proj.weight"], hp["model.layers.0.mlp.up_proj.weight"]])
+    assert mlp.gate_up_proj.weight_scale_inv is None and torch.equal(mlp.gate_up_proj.weight, w)
+    assert mlp.down_proj.weight.dtype == torch.float32
+    assert runner.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    assert runner.model.layers[1].mlp.w13.dtype == torch.float8_e4m3fn
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_modules_to_not_convert_keeps_matching_linears(checkpoints, tmp_path):
+    """transformers' modules_to_not_convert (substrings): attention stored in high precision loads as such, with
+    the high-precision weights, while the experts stay FP8."""
+    src = checkpoints["qwen3_moe"]
+    hp = load_file(src / "hp" / "model.safetensors")
+
+    def dequantise_attention(sd):
+        for name in [n for n in sd if ".self_attn." in n and n.endswith("_scale_inv")]:
+            del sd[name]
+            w = name.removesuffix("_scale_inv")
+            sd[w] = hp[w]
+    d = _edited_copy(src / "fp8", tmp_path / "fp8", dequantise_attention)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"] = ["self_attn"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(model=str(d), max_num_batched_tokens=16, page_size=8, **SMALL)
+    kept = llm.engine.runner.high_precision_modules
+    assert kept and all(".self_attn." in n for n in kept) and len(kept) == 2 * 4  # q, k, v, o of 2 layers
+    attn = llm.engine.runner.model.layers[1].self_attn
+    assert attn.qkv_proj.weight.dtype == torch.float32 and attn.o_proj.weight_scale_inv is None
+    assert torch.equal(attn.o_proj.weight, hp["model.layers.1.self_attn.o_proj.weight"])
+    assert llm.engine.runner.model.layers[1].mlp.w13.dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("ignored, match", [
+    (["model.layers.0.self_attn.q_proj"], r"keeps model\.layers\.0\.self_attn\.q_proj in high precision but not "
+                                          r"model\.layers\.0\.self_attn\.k_proj"),
+    (["model.layers.1.mlp.experts.0.up_proj"], r"routed experts in FP8 only"),
+    ("self_attn", r"ignored_layers must be a list"),
+])
+def test_unservable_high_precision_lists_are_refused(checkpoints, tmp_path, ignored, match):
+    import shutil
+    d = tmp_path / "fp8"
+    shutil.copytree(checkpoints["qwen3_moe"] / "fp8", d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"]["ignored_layers"] = ignored
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(QuantizationError, match=match):
+        LLM(model=str(d), **SMALL)

@@ -93,6 +93,16 @@ class ModelRunner:
         t0 = time.perf_counter()
         torch.manual_seed(cfg.seed)
         self.model = MoECausalLM(arch, self.ops, self.dtype, self.device)
+        self.high_precision_modules = []
+        if self.quantization == "fp8":
+            from moeserve.models.layers import keep_in_high_precision
+            from moeserve.quant.config import high_precision_rule
+            self.high_precision_modules = keep_in_high_precision(self.model, high_precision_rule(source.config),
+                                                                 self.dtype, self.device)
+            if self.high_precision_modules:
+                log.info("FP8: %d linears stay in %s as the checkpoint's quantization_config says (%s, ...)",
+                         len(self.high_precision_modules), str(self.dtype).removeprefix("torch."),
+                         self.high_precision_modules[0])
         use_dummy = cfg.load_format == "dummy" or (cfg.load_format == "auto" and source.weights_dir is None)
         if cfg.load_format == "safetensors" and source.weights_dir is None:
             raise ValueError(f"load_format: 'safetensors' but model {cfg.model!r} has no *.safetensors files "

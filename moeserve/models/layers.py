@@ -76,6 +76,36 @@ class Linear(nn.Module):
         return self.ops.linear.linear(x, self.weight, self.bias)
 
 
+def keep_in_high_precision(model: nn.Module, keep, dtype, device) -> list[str]:
+    """Turn the FP8 linears of ``model`` whose checkpoint module names ``keep`` selects into ``dtype``
+    linears (before weights are loaded or drawn); returns those names. A merged linear (q/k/v, gate/up) is
+    kept whole, so its parts must be selected all or none; routed experts cannot be kept."""
+    from moeserve.quant.config import QuantizationError
+    parts: dict[int, list[str]] = {}
+    for name, entry in model.checkpoint_entries().items():
+        if entry.scale is not None and name.endswith(".weight"):
+            parts.setdefault(id(entry.param), []).append(name.removesuffix(".weight"))
+    linears = {id(m.weight): m for m in model.modules() if isinstance(m, Linear)}
+    kept = []
+    for pid, names in parts.items():
+        chosen = [n for n in names if keep(n)]
+        if not chosen:
+            continue
+        lin = linears.get(pid)
+        if lin is None:
+            raise QuantizationError(f"config.json quantization_config keeps {chosen[0]} in high precision; moeserve "
+                                    "runs routed experts in FP8 only (their layers are stored and run as one tensor)")
+        if len(chosen) != len(names):
+            raise QuantizationError(
+                f"config.json quantization_config keeps {', '.join(chosen)} in high precision but not "
+                f"{', '.join(n for n in names if n not in chosen)}; moeserve runs them as one merged linear, so "
+                "a checkpoint must keep all of them or none")
+        lin.weight = _param(tuple(lin.weight.shape), dtype, device)
+        lin.weight_scale_inv = None
+        kept += names
+    return kept
+
+
 class Attention(nn.Module):
     def __init__(self, ops: Ops, arch: ArchConfig, layer_idx: int, rope, dtype, device):
         super().__init__()

@@ -5,6 +5,9 @@ A checkpoint stored as FP8 with 128x128 block scales (``quantization_config: {qu
 weight_block_size: [128, 128]}``, the DeepSeek-V3 / Qwen3-FP8 layout) implies ``quantization: fp8``; setting
 ``quantization: none`` explicitly for such a checkpoint, or pointing the engine at any other stored
 quantisation, is an error that names the field.
+
+Such a checkpoint may keep some linears in high precision: vLLM's ``ignored_layers`` names them exactly
+(``model.layers.0.mlp.down_proj``), transformers' ``modules_to_not_convert`` by substring (``self_attn``).
 """
 from __future__ import annotations
 
@@ -69,3 +72,17 @@ def resolve_quantization(requested: str, hf: dict, explicitly_set: bool = True) 
 def engine_quantization(cfg, hf: dict) -> str:
     """:func:`resolve_quantization` for an ``EngineConfig``."""
     return resolve_quantization(cfg.quantization, hf, "quantization" in cfg.model_fields_set)
+
+
+def high_precision_rule(hf: dict):
+    """``keep(module_name) -> bool``: whether the FP8 checkpoint keeps that linear in high precision (its
+    ``quantization_config`` ``ignored_layers``, exact names, and ``modules_to_not_convert``, substrings)."""
+    qc = hf.get("quantization_config") or {}
+    lists = {}
+    for key in ("ignored_layers", "modules_to_not_convert"):
+        v = qc.get(key) or []
+        if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+            raise QuantizationError(f"config.json quantization_config.{key} must be a list of module names")
+        lists[key] = tuple(v)
+    exact, parts = frozenset(lists["ignored_layers"]), lists["modules_to_not_convert"]
+    return lambda name: name in exact or any(p in name for p in parts)
