@@ -80,13 +80,16 @@ def test_tensors_get_moeserves_rule_not_vllms():
     assert not torch.equal(experts[0], experts[1])
 
 
-def test_each_parameter_is_drawn_once_although_vllm_calls_the_initializer_per_module():
+def test_each_parameter_is_drawn_once_although_vllm_calls_the_initializer_per_module(capsys):
     layer = Layer()
     init_like_moeserve(layer, model_config())
+    weights = [n for n, p in layer.named_parameters() if not n.endswith(("_scale_inv", "_scale"))]
+    assert f"[moeserve dummy init] {len(weights)} tensors drawn" in capsys.readouterr().err  # seen in vLLM's log
     before = {k: v.clone() for k, v in layer.state_dict().items()}
     for module in layer.modules():
         init_like_moeserve(module, model_config())
     assert all(torch.equal(before[k].float(), v.float()) for k, v in layer.state_dict().items())
+    assert "[moeserve dummy init] 0 tensors drawn" in capsys.readouterr().err
 
 
 def test_fp8_tensor_without_block_scale_keeps_its_values(caplog):

@@ -19,6 +19,7 @@ Not covered: layers vLLM quantises online (``quantization: fp8`` on a high-preci
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 
@@ -79,7 +80,7 @@ def init_like_moeserve(model: torch.nn.Module, model_config=None, *args, seed: i
     hf = getattr(model_config, "hf_config", None)
     std = float(getattr(hf, "initializer_range", None) or 0.02)
     gens: dict[torch.device, torch.Generator] = {}
-    skipped = []
+    skipped, drawn = [], 0
     for mod_name, mod in model.named_modules():
         norm = is_norm_module(mod)
         for name, p in mod.named_parameters(recurse=False):
@@ -104,6 +105,9 @@ def init_like_moeserve(model: torch.nn.Module, model_config=None, *args, seed: i
             else:
                 p.normal_(0.0, std, generator=g)
             setattr(p, _DONE, True)
+            drawn += 1
+    # vLLM's processes do not show this package's log records; stderr lands in the worker's log
+    print(f"[moeserve dummy init] {drawn} tensors drawn by moeserve's rule (std {std})", file=sys.stderr, flush=True)
     if skipped:
         log.warning("moeserve dummy init: %d FP8 tensors without a 128x128 block scale keep vLLM's values: %s",
                     len(skipped), ", ".join(skipped[:5]))
