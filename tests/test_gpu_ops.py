@@ -183,7 +183,7 @@ def _batch(n, **kw):
         top_k=torch.full((n,), d["top_k"], dtype=torch.int32, device=dev()),
         top_p=torch.full((n,), d["top_p"], device=dev()), min_p=torch.full((n,), d["min_p"], device=dev()),
         greedy=[d["temperature"] == 0] * n, seeds=kw.get("seeds", [None] * n), steps=[0] * n,
-        generators=[None] * n, any_top_k=d["top_k"] > 0, any_top_p=d["top_p"] < 1, any_min_p=d["min_p"] > 0)
+        generators=[None] * n, filters=[(d["top_k"] > 0, d["top_p"] < 1, d["min_p"] > 0)] * n)
 
 
 @pytest.mark.parametrize("filters", [dict(), dict(temperature=0.7), dict(top_k=5), dict(top_p=0.6),

@@ -79,3 +79,21 @@ def test_seeded_generators_reproduce():
     # a row's draw depends only on its own generator, not on its neighbours
     c = s.sample(logits[1:2], batch(1, seeds=[2], gens=[s.make_generator(2)]))
     assert c.item() == a[1].item()
+
+
+def test_filter_flags_are_per_row_and_known_on_the_host():
+    """A seeded row is sampled alone with the filters it uses itself (its random stream must not depend on
+    its neighbours), from flags the engine knows without reading the GPU."""
+    from moeserve import LLM, SamplingParams
+    from moeserve.engine.scheduler import ScheduledSeq
+    eng = LLM(model="tiny", max_num_seqs=4, max_model_len=64).engine
+    rows = [SamplingParams(temperature=1.0, top_k=5, max_tokens=4),
+            SamplingParams(temperature=1.0, min_p=0.1, max_tokens=4),
+            SamplingParams(temperature=0.7, top_p=0.9, max_tokens=4)]
+    seqs = [eng.add_request([1, 2, 3], p) for p in rows]
+    b = eng.runner.sampling_batch([ScheduledSeq(s, 0, 3) for s in seqs])
+    assert b.filters == [(True, False, False), (False, False, True), (False, True, False)]
+    assert b.uses([0]) == (True, False, False) and b.uses([1]) == (False, False, True)
+    assert b.uses([0, 2]) == (True, True, False)
+    b.filters = None  # a batch made by hand: the flags come from the tensors
+    assert b.uses([1]) == (False, False, True) and b.uses([0, 1, 2]) == (True, True, True)

@@ -241,8 +241,7 @@ class ModelRunner:
             min_p=to_device([p.min_p for p in ps], torch.float32, dev),
             greedy=[p.greedy for p in ps], seeds=[p.seed for p in ps],
             steps=[it.seq.num_generated for it in items], generators=gens,
-            any_top_k=any(p.effective_top_k > 0 for p in ps), any_top_p=any(p.top_p < 1 for p in ps),
-            any_min_p=any(p.min_p > 0 for p in ps),
+            filters=[(p.effective_top_k > 0, p.top_p < 1, p.min_p > 0) for p in ps],
         )
 
     def _before_plan(self) -> None:

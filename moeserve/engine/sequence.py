@@ -80,7 +80,8 @@ class Sequence:
         """Its sampled tokens (some maybe in flight) already reach ``max_tokens`` or ``max_model_len``, so no
         further step has anything to compute for it."""
         p = self.params
-        return (p.max_tokens is not None and self.num_generated >= p.max_tokens) or self.num_tokens >= self.max_model_len
+        by_max_tokens = p.max_tokens is not None and self.num_generated >= p.max_tokens
+        return by_max_tokens or self.num_tokens >= self.max_model_len
 
     @property
     def num_pending(self) -> int:

@@ -37,10 +37,18 @@ class SamplingBatch:
     steps: list[int]  # tokens generated so far by each request: the offset of its seeded stream
     generators: list[torch.Generator | None]  # per-request torch generators (torch sampler, seeded rows)
 
-    # which filters any row uses (known on the host; a row that does not use one gets its no-op value)
-    any_top_k: bool = True
-    any_top_p: bool = True
-    any_min_p: bool = True
+    # per row, known on the host: (uses top-k, uses top-p, uses min-p); None: read them from the tensors,
+    # which waits for the GPU
+    filters: list[tuple[bool, bool, bool]] | None = None
+
+    def uses(self, rows: list[int]) -> tuple[bool, bool, bool]:
+        """Which filters any of ``rows`` uses (a row that does not use one has its no-op value in the tensors)."""
+        if self.filters is None:
+            i = torch.as_tensor(rows, device=self.top_k.device)
+            return (bool((self.top_k[i] > 0).any()), bool((self.top_p[i] < 1).any()),
+                    bool((self.min_p[i] > 0).any()))
+        picked = [self.filters[r] for r in rows]
+        return tuple(any(f[j] for f in picked) for j in range(3))
 
     @property
     def all_greedy(self) -> bool:
@@ -115,11 +123,11 @@ class FlashInferSampler:
     def make_generator(self, seed: int) -> None:
         return None  # seeded rows use (seed, offset) Philox streams, not generators
 
-    def _sample_rows(self, probs, top_k, top_p, min_p, seed: int, offset: int, batch: SamplingBatch) -> torch.Tensor:
+    def _sample_rows(self, probs, top_k, top_p, min_p, seed: int, offset: int, uses) -> torch.Tensor:
         fs = self.fs
         seed_t = to_device([seed], torch.int64, self.device)
         off_t = to_device([offset], torch.int64, self.device)
-        use_k, use_p, use_min = batch.any_top_k, batch.any_top_p, batch.any_min_p
+        use_k, use_p, use_min = uses
         vocab = probs.shape[-1]
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).to(torch.int32)
         if use_min:
@@ -145,10 +153,10 @@ class FlashInferSampler:
             idx = to_device(unseeded, torch.int64, self.device)
             seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
             out[idx] = self._sample_rows(probs[idx], batch.top_k[idx], batch.top_p[idx], batch.min_p[idx],
-                                         seed, 0, batch).to(out.dtype)
+                                         seed, 0, batch.uses(unseeded)).to(out.dtype)
         for i in sampled:
             if batch.seeds[i] is not None:
                 sl = slice(i, i + 1)
                 out[sl] = self._sample_rows(probs[sl], batch.top_k[sl], batch.top_p[sl], batch.min_p[sl],
-                                            batch.seeds[i], 4 * batch.steps[i], batch).to(out.dtype)
+                                            batch.seeds[i], 4 * batch.steps[i], batch.uses([i])).to(out.dtype)
         return out
