@@ -119,6 +119,12 @@ def test_bench_kernels_on_cpu_lists_every_kernel_as_skipped(tmp_path, capsys):
     assert "skipped: needs a CUDA GPU" in capsys.readouterr().out
 
 
+def test_bench_kernels_refuses_a_bad_kernels_pattern(tmp_path, capsys):
+    assert main(["bench", "kernels", "--model", "tiny", "--kernels", "mixed(", "--output-dir", str(tmp_path)]) == 2
+    assert "--kernels 'mixed(' is not a regular expression" in capsys.readouterr().err
+    assert not (tmp_path / "kernels.json").exists()
+
+
 def test_unknown_bench_flag_values_are_refused(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--only", "sglang"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import statistics
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -444,6 +445,13 @@ def run(args) -> int:
     from moeserve.bench.report import print_result, write_json, write_result
     t0 = time.monotonic()
     log = _say(t0)
+    if getattr(args, "kernels", None):
+        try:
+            re.compile(args.kernels)
+        except re.error as e:
+            print(f"moeserve bench kernels: --kernels {args.kernels!r} is not a regular expression: {e}",
+                  file=sys.stderr)
+            return 2
     cfg, choice = resolve_config(args)
     log(f"bench kernels: {choice}")
     hw_cuda = torch.cuda.is_available()
