@@ -79,9 +79,11 @@ class Sequence:
     def done_by_length(self) -> bool:
         """Its sampled tokens (some maybe in flight) already reach ``max_tokens`` or ``max_model_len``, so no
         further step has anything to compute for it."""
-        p = self.params
-        by_max_tokens = p.max_tokens is not None and self.num_generated >= p.max_tokens
-        return by_max_tokens or self.num_tokens >= self.max_model_len
+        return self._reaches_length(self.num_generated, self.num_tokens)
+
+    def _reaches_length(self, num_generated: int, num_tokens: int) -> bool:
+        max_tokens = self.params.max_tokens
+        return (max_tokens is not None and num_generated >= max_tokens) or num_tokens >= self.max_model_len
 
     @property
     def num_pending(self) -> int:
@@ -121,11 +123,8 @@ class Sequence:
                 self.finish_reason = "stop"
             elif token in p.stop_token_ids:
                 self.finish_reason = "stop"
-        if self.finish_reason is None:
-            if p.max_tokens is not None and n_out >= p.max_tokens:
-                self.finish_reason = "length"
-            elif self.num_resolved >= self.max_model_len:
-                self.finish_reason = "length"
+        if self.finish_reason is None and self._reaches_length(n_out, self.num_resolved):
+            self.finish_reason = "length"
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
