@@ -24,14 +24,13 @@ import triton.language as tl
 from moeserve.quant.fp8 import BLOCK, EPS, FP8_DTYPE, FP8_MAX, block_scale_shape, per_token_group_quant_fp8
 
 from .triton_configs import CONFIG_DIR, CONFIG_DIR_ENV, config_file_name, default_config, device_name, parse_configs
-from .triton_kernels import moe_align_block_size, silu_and_mul
+from .triton_kernels import launch_params, moe_align_block_size, program_tile, silu_and_mul, store_tile, tile_rows
 
 __all__ = ["fused_moe_fp8", "quantize_activations", "per_token_group_quant_fp8_triton", "get_fp8_config",
            "invoke_fused_moe_fp8_kernel"]
 
 FP8_CONFIG_TAG = "fp8_w8a8"
 BLOCK_SHAPE = [BLOCK, BLOCK]
-_META_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M")
 
 
 @triton.jit
@@ -85,23 +84,11 @@ def fused_moe_fp8_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_wei
     has one activation scale per row and one weight scale per column. Rows, padding, routed-weight scaling
     and the early exit past ``num_tokens_post_padded`` work as in the bf16 ``fused_moe_kernel``.
     """
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(EM, BLOCK_SIZE_M)
-    num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
-    num_pid_in_group = GROUP_SIZE_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_SIZE_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_SIZE_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
-    num_tokens_post_padded = tl.load(num_tokens_post_padded_ptr)
-    if pid_m * BLOCK_SIZE_M >= num_tokens_post_padded:
+    pid_m, pid_n = program_tile(EM, N, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
+    if pid_m * BLOCK_SIZE_M >= tl.load(num_tokens_post_padded_ptr):
         return
-    offs_token_id = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
-    offs_token = tl.load(sorted_token_ids_ptr + offs_token_id).to(tl.int64)
-    token_mask = offs_token < num_valid_tokens
-    off_expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_token, token_mask, off_expert = tile_rows(sorted_token_ids_ptr, expert_ids_ptr, pid_m, num_valid_tokens,
+                                                   BLOCK_SIZE_M)
 
     offs_bn = (pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N).to(tl.int64)) % N
     offs_k = tl.arange(0, BLOCK_SIZE_K)
@@ -127,12 +114,8 @@ def fused_moe_fp8_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_wei
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
 
-    if MUL_ROUTED_WEIGHT:
-        w = tl.load(topk_weights_ptr + offs_token, mask=token_mask, other=0.0)
-        acc = acc * w[:, None]
-    offs_cn = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
-    c_ptrs = c_ptr + offs_token[:, None] * stride_cm + offs_cn[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=token_mask[:, None] & (offs_cn[None, :] < N))
+    store_tile(acc, c_ptr, topk_weights_ptr, offs_token, token_mask, pid_n, N, stride_cm, stride_cn, BLOCK_SIZE_N,
+                MUL_ROUTED_WEIGHT)
 
 
 def invoke_fused_moe_fp8_kernel(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
@@ -141,12 +124,9 @@ def invoke_fused_moe_fp8_kernel(a: torch.Tensor, a_scale: torch.Tensor, b: torch
                                 config: dict, max_padded_rows: int | None = None):
     """Launch :func:`fused_moe_fp8_kernel` for ``c = deq(a)[rows // top_k] @ deq(b[e])^T`` (see
     ``triton_kernels.invoke_fused_moe_kernel`` for the row conventions)."""
-    meta = {key: int(config[key]) for key in _META_KEYS}
-    opts = {"num_warps": int(config.get("num_warps", 4)), "num_stages": int(config.get("num_stages", 3))}
     num_valid, n = c.shape
     k = b.shape[2]
-    em = sorted_token_ids.shape[0] if max_padded_rows is None else min(max_padded_rows, sorted_token_ids.shape[0])
-    grid = (triton.cdiv(em, meta["BLOCK_SIZE_M"]) * triton.cdiv(n, meta["BLOCK_SIZE_N"]),)
+    meta, opts, em, grid = launch_params(config, n, sorted_token_ids, max_padded_rows)
     mul_w = topk_weights is not None
     fused_moe_fp8_kernel[grid](
         a, b, c, a_scale, b_scale, topk_weights if mul_w else c, sorted_token_ids, expert_ids,

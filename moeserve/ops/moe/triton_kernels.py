@@ -129,6 +129,42 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
     return sorted_ids, expert_ids, ntpp
 
 
+@triton.jit
+def program_tile(EM, N, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, GROUP_SIZE_M: tl.constexpr):
+    """``(pid_m, pid_n)``: the output tile of this program, row tiles grouped by ``GROUP_SIZE_M`` for L2 reuse."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(EM, BLOCK_SIZE_M)
+    num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
+    num_pid_in_group = GROUP_SIZE_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_SIZE_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_SIZE_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def tile_rows(sorted_token_ids_ptr, expert_ids_ptr, pid_m, num_valid_tokens, BLOCK_SIZE_M: tl.constexpr):
+    """``(rows, real-row mask, expert)`` of row tile ``pid_m`` of the expert-sorted routing."""
+    offs_token = tl.load(sorted_token_ids_ptr + pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)
+    token_mask = offs_token < num_valid_tokens
+    off_expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    return offs_token, token_mask, off_expert
+
+
+@triton.jit
+def store_tile(acc, c_ptr, topk_weights_ptr, offs_token, token_mask, pid_n, N, stride_cm, stride_cn,
+                BLOCK_SIZE_N: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr):
+    """Write a float32 tile to its rows of ``C`` (scaled by the routed weights when asked), padding skipped."""
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_weights_ptr + offs_token, mask=token_mask, other=0.0)
+        acc = acc * w[:, None]
+    offs_cn = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    c_ptrs = c_ptr + offs_token[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=token_mask[:, None] & (offs_cn[None, :] < N))
+
+
 @triton.jit(do_not_specialize=["EM", "num_valid_tokens", "top_k"])
 def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
                      num_tokens_post_padded_ptr, N, K, EM, num_valid_tokens, top_k,
@@ -143,23 +179,11 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
     (``>= num_valid_tokens``) are skipped. With ``MUL_ROUTED_WEIGHT`` each row is scaled by
     ``topk_weights[s]`` in fp32 before the cast to ``C``'s dtype. ``EM`` bounds the padded row count.
     """
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(EM, BLOCK_SIZE_M)
-    num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
-    num_pid_in_group = GROUP_SIZE_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_SIZE_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_SIZE_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
-    num_tokens_post_padded = tl.load(num_tokens_post_padded_ptr)
-    if pid_m * BLOCK_SIZE_M >= num_tokens_post_padded:
+    pid_m, pid_n = program_tile(EM, N, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
+    if pid_m * BLOCK_SIZE_M >= tl.load(num_tokens_post_padded_ptr):
         return
-    offs_token_id = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
-    offs_token = tl.load(sorted_token_ids_ptr + offs_token_id).to(tl.int64)
-    token_mask = offs_token < num_valid_tokens
-    off_expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_token, token_mask, off_expert = tile_rows(sorted_token_ids_ptr, expert_ids_ptr, pid_m, num_valid_tokens,
+                                                   BLOCK_SIZE_M)
 
     offs_bn = (pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N).to(tl.int64)) % N
     offs_k = tl.arange(0, BLOCK_SIZE_K)
@@ -182,12 +206,8 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
 
-    if MUL_ROUTED_WEIGHT:
-        w = tl.load(topk_weights_ptr + offs_token, mask=token_mask, other=0.0)
-        acc = acc * w[:, None]
-    offs_cn = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
-    c_ptrs = c_ptr + offs_token[:, None] * stride_cm + offs_cn[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=token_mask[:, None] & (offs_cn[None, :] < N))
+    store_tile(acc, c_ptr, topk_weights_ptr, offs_token, token_mask, pid_n, N, stride_cm, stride_cn, BLOCK_SIZE_N,
+                MUL_ROUTED_WEIGHT)
 
 
 @triton.jit
@@ -202,10 +222,15 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_out, BLOCK: tl.cons
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_params(config: dict) -> tuple[dict, dict]:
+def launch_params(config: dict, n: int, sorted_token_ids: torch.Tensor, max_padded_rows: int | None
+                  ) -> tuple[dict, dict, int, tuple]:
+    """``(tile meta-parameters, launch options, EM, grid)`` of a grouped-GEMM launch over ``sorted_token_ids``
+    (``EM``: the padded row bound, at most ``max_padded_rows``) into ``n`` output columns."""
     meta = {k: int(config[k]) for k in _META_KEYS}
     opts = {"num_warps": int(config.get("num_warps", 4)), "num_stages": int(config.get("num_stages", 3))}
-    return meta, opts
+    em = sorted_token_ids.shape[0] if max_padded_rows is None else min(max_padded_rows, sorted_token_ids.shape[0])
+    grid = (triton.cdiv(em, meta["BLOCK_SIZE_M"]) * triton.cdiv(n, meta["BLOCK_SIZE_N"]),)
+    return meta, opts, em, grid
 
 
 def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor | None,
@@ -218,11 +243,9 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t
     enables routed-weight scaling. ``max_padded_rows`` is an upper bound on ``num_tokens_post_padded``
     that shrinks the grid (defaults to ``len(sorted_token_ids)``).
     """
-    meta, opts = _launch_params(config)
     num_valid, n = c.shape
     k = b.shape[2]
-    em = sorted_token_ids.shape[0] if max_padded_rows is None else min(max_padded_rows, sorted_token_ids.shape[0])
-    grid = (triton.cdiv(em, meta["BLOCK_SIZE_M"]) * triton.cdiv(n, meta["BLOCK_SIZE_N"]),)
+    meta, opts, em, grid = launch_params(config, n, sorted_token_ids, max_padded_rows)
     mul_w = topk_weights is not None
     args = (a, b, c, topk_weights if mul_w else c, sorted_token_ids, expert_ids, num_tokens_post_padded, n, k,
             em, num_valid, top_k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
