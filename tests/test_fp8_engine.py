@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hf_models import make_checkpoint
+from lockstep import lockstep
 from moeserve.config import make_config
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.sampling_params import SamplingParams
@@ -30,26 +31,6 @@ def engine(path, **kw):
     return LLMEngine(cfg)
 
 
-def lockstep(fast, ref, prompts, max_tokens=12):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for p in prompts:
-        fast.add_request(p, params)
-        ref.add_request(p, params)
-    cos, agree = [], []
-    while ref.has_unfinished():
-        a, b = fast.scheduler.schedule(), ref.scheduler.schedule()
-        la = fast.runner.forward_logits(a.items, a.is_decode)
-        lb = ref.runner.forward_logits(b.items, b.is_decode)
-        cos += torch.nn.functional.cosine_similarity(la, lb, dim=-1).tolist()
-        tokens = lb.argmax(-1)
-        agree += (la.argmax(-1) == tokens).tolist()
-        it = iter(tokens.tolist())
-        sampled = [next(it) if x.samples else None for x in b.items]
-        fast.scheduler.update(a, sampled)
-        ref.scheduler.update(b, sampled)
-    return torch.tensor(cos), sum(agree) / len(agree)
-
-
 @pytest.mark.parametrize("kind, shape, seed", [("qwen3_moe", ALIGNED, 0), ("glm4_moe", {}, 2)])
 def test_fp8_engine_close_to_float32(tmp_path, kind, shape, seed):
     make_checkpoint(kind, tmp_path, seed=seed, **shape)
@@ -60,10 +41,9 @@ def test_fp8_engine_close_to_float32(tmp_path, kind, shape, seed):
     assert fp8.runner.weights_bytes < ref.runner.weights_bytes
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 17, 40, 9)]
-    cos, agreement = lockstep(fp8, ref, prompts)
-    assert cos.median() >= MEDIAN_COS and cos.mean() >= MEAN_COS, cos
-    assert agreement >= AGREEMENT
-    assert fp8.pool.num_free == fp8.pool.capacity
+    r = lockstep(fp8, ref, prompts, max_tokens=12)
+    assert r.cos.median() >= MEDIAN_COS and r.cos.mean() >= MEAN_COS, r.cos
+    assert r.agreement >= AGREEMENT
 
 
 def test_fp8_dummy_weights_are_the_quantised_float32_dummy_weights():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hf_models import make_checkpoint
+from lockstep import lockstep
 
 pytestmark = pytest.mark.gpu
 
@@ -32,45 +33,19 @@ def engine(path, backends, eager, **options):
     return LLMEngine(cfg)
 
 
-def lockstep(fast, ref, prompts):
-    from moeserve.engine.sampling_params import SamplingParams
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for p in prompts:
-        fast.add_request(p, params)
-        ref.add_request(p, params)
-    cos, agree, rows, graph_steps = [], 0, 0, 0
-    while fast.has_unfinished():
-        a, b = fast.scheduler.schedule(), ref.scheduler.schedule()
-        assert [(i.seq.request_id, i.start, i.num_tokens) for i in a.items] == \
-               [(i.seq.request_id, i.start, i.num_tokens) for i in b.items]
-        if fast.runner.graphs is not None and a.is_decode and len(a.items) <= fast.runner.graphs.max_batch_size:
-            graph_steps += 1
-        la = fast.runner.forward_logits(a.items, a.is_decode)
-        lb = ref.runner.forward_logits(b.items, b.is_decode)
-        cos += torch.nn.functional.cosine_similarity(la, lb, dim=-1).tolist()
-        tokens = la.argmax(-1)
-        agree += (lb.argmax(-1) == tokens).sum().item()
-        rows += len(tokens)
-        it = iter(tokens.tolist())
-        sampled = [next(it) if x.samples else None for x in a.items]
-        fast.scheduler.update(a, sampled)
-        ref.scheduler.update(b, sampled)
-    assert fast.pool.num_free == fast.pool.capacity
-    return min(cos), agree / rows, graph_steps
-
-
 @pytest.mark.parametrize("kind, shape, moe", [("qwen3_moe", GPU_QWEN3, "triton"), ("qwen2_moe", GPU_QWEN2, "triton"),
                                               ("qwen3_moe", GPU_QWEN3, "flashinfer")])
 def test_fast_path_matches_torch_path(tmp_path, kind, shape, moe):
     make_checkpoint(kind, tmp_path, seed=1, **shape)
     fast = engine(tmp_path, {"attention": "flashinfer", "moe": moe, "norm": "flashinfer", "rope": "flashinfer",
                              "activation": "flashinfer", "sampling": "flashinfer"}, eager=False)
-    ref = engine(tmp_path, {k: "torch" for k in ("attention", "moe", "norm", "rope", "activation", "sampling")},
+    ref = engine(tmp_path, {k: "torch" for k in ("attention", "moe", "routing", "norm", "rope", "activation", "sampling")},
                  eager=True)
     assert fast.runner.graphs is not None
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, shape["vocab_size"], (n,), generator=g).tolist() for n in PROMPT_LENS]
-    worst_cos, agreement, graph_steps = lockstep(fast, ref, prompts)
+    r = lockstep(fast, ref, prompts, MAX_TOKENS, follow="fast")
+    worst_cos, agreement, graph_steps = r.worst, r.agreement, r.graph_steps
     assert graph_steps > 0, "decode steps should have replayed CUDA graphs"
     assert worst_cos > 0.995
     assert agreement >= 0.95
@@ -83,7 +58,8 @@ def test_graph_decode_matches_eager_decode(tmp_path):
     eager = engine(tmp_path, {**fast, "moe": "triton"}, eager=True)
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 50, 7)]
-    worst_cos, agreement, graph_steps = lockstep(graphs, eager, prompts)
+    r = lockstep(graphs, eager, prompts, MAX_TOKENS, follow="fast")
+    worst_cos, agreement, graph_steps = r.worst, r.agreement, r.graph_steps
     assert graph_steps > 0
     assert worst_cos > 0.9999 and agreement == 1.0
 

@@ -1,0 +1,55 @@
+"""Two engines stepped together on one schedule, for comparing a fast path with its reference.
+
+Both engines get the same requests; each step both schedule (the schedules must be identical), compute the
+logits of the rows that sample, and are fed the same greedy tokens: the reference's (``follow="ref"``,
+teacher forcing by the reference) or the fast engine's (``follow="fast"``). Every sampled row is compared.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Lockstep:
+    cos: torch.Tensor  # per sampled row: cosine similarity of the two engines' logits
+    agreement: float  # fraction of sampled rows whose argmax agrees
+    graph_steps: int  # decode steps the fast engine ran through a captured CUDA graph
+
+    @property
+    def worst(self) -> float:
+        return float(self.cos.min())
+
+    @property
+    def median(self) -> float:
+        return float(self.cos.median())
+
+
+def lockstep(fast, ref, prompts: list[list[int]], max_tokens: int, follow: str = "ref") -> Lockstep:
+    assert follow in ("ref", "fast")
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for p in prompts:
+        fast.add_request(p, params)
+        ref.add_request(p, params)
+    cos, agree, graph_steps = [], [], 0
+    while ref.has_unfinished():
+        a, b = fast.scheduler.schedule(), ref.scheduler.schedule()
+        assert [(i.seq.request_id, i.start, i.num_tokens) for i in a.items] == \
+               [(i.seq.request_id, i.start, i.num_tokens) for i in b.items]
+        graphs = fast.runner.graphs
+        if graphs is not None and a.is_decode and len(a.items) <= graphs.max_batch_size:
+            graph_steps += 1
+        la = fast.runner.forward_logits(a.items, a.is_decode)
+        lb = ref.runner.forward_logits(b.items, b.is_decode)
+        cos += torch.nn.functional.cosine_similarity(la, lb, dim=-1).tolist()
+        agree += (la.argmax(-1) == lb.argmax(-1)).tolist()
+        it = iter((la if follow == "fast" else lb).argmax(-1).tolist())
+        sampled = [next(it) if x.samples else None for x in a.items]
+        fast.scheduler.update(a, sampled)
+        ref.scheduler.update(b, sampled)
+    assert not fast.has_unfinished()
+    assert fast.pool.num_free == fast.pool.capacity and ref.pool.num_free == ref.pool.capacity
+    return Lockstep(torch.tensor(cos), sum(agree) / len(agree), graph_steps)
