@@ -34,6 +34,7 @@ class BackendConfig(_Strict):
 
     attention: str = "auto"
     moe: str = "auto"
+    routing: str = "auto"
     linear: str = "auto"
     sampling: str = "auto"
     norm: str = "auto"

@@ -471,15 +471,20 @@ def test_a_module_with_many_sources_leaves_slots_for_the_others():
 
 @needs_flashinfer
 def test_fp8_weights_add_the_blockscale_gemm_and_deepseek_routing_adds_the_fused_topk():
-    from moeserve.kernels.modules import Target, moe_flashinfer, moe_routing
+    from moeserve.kernels.modules import Target, moe_flashinfer, routing_fused
     from moeserve.ops.moe.routing import RoutingConfig
     keys = [m.key for m in modules_for_config(make_config(model="qwen1.5-moe-a2.7b", quantization="fp8"), "9.0a")]
-    assert "fp8_gemm" in keys and "routing" not in keys  # Qwen routes with softmax
+    assert "fp8_gemm" in keys and "routing" not in keys  # Qwen routes with softmax, through Triton
     ds = RoutingConfig(method="deepseek_v3", top_k=8, renormalize=True, n_group=8, topk_group=4)
     hopper_target = Target(parse_arch("9.0a"), torch.bfloat16, torch.bfloat16, 128, 8, 128, "none", 256, ds)
-    assert [m.key for m in moe_flashinfer(hopper_target)] == ["fused_moe", "routing"]
+    assert [m.key for m in moe_flashinfer(hopper_target)] == ["fused_moe"]
+    assert [(m.key, m.op, m.backend) for m in routing_fused(hopper_target)] == [("routing", "routing", "fused")]
     ampere_target = Target(parse_arch("8.0"), torch.bfloat16, torch.bfloat16, 128, 8, 128, "none", 256, ds)
-    assert moe_routing(ampere_target) == []
+    assert routing_fused(ampere_target) == []
+    glm = [m.key for m in modules_for_config(make_config(model="glm-4.5-air"), "9.0a")]
+    assert "routing" in glm
+    glm_torch = make_config(model="glm-4.5-air", backends={"routing": "torch"})
+    assert "routing" not in [m.key for m in modules_for_config(glm_torch, "9.0a")]
 
 
 def test_flashinfer_attention_is_refused_for_head_sizes_its_kernels_do_not_serve():

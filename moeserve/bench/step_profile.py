@@ -22,7 +22,8 @@ FAMILIES = [
     ("norm", r"norm"),
     ("rope", r"rope|rotary"),
     ("activation", r"silu|act_and_mul"),
-    ("sampling", r"argmax|sampling|softmax|topk|top_k|top_p"),
+    ("sampling", r"argmax|sampling|top_p|renorm"),
+    ("routing", r"topk|top_k|bitonicSort|softmax|noaux|dsv3"),  # greedy decode: softmax and top-k are routing's
     ("copy", r"copy|memcpy|memset|fill|cat|index"),
 ]
 

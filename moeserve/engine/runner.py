@@ -23,6 +23,7 @@ from moeserve.hardware import HardwareInfo, check_gpu_arch, resolve_device
 from moeserve.models import arch_from_hf
 from moeserve.models.layers import MoECausalLM, Ops
 from moeserve.ops import registry
+from moeserve.ops.names import OPERATORS
 from moeserve.ops.sampling import SamplingBatch, to_device
 from moeserve.quant.config import engine_quantization
 from moeserve.weights import init_dummy, load_checkpoint
@@ -75,7 +76,7 @@ class ModelRunner:
             self.kernel_cache = use_kernel_cache(cfg.kernel_cache_dir, hw)
         specs = {op: registry.resolve(op, getattr(cfg.backends, op), hw, self.device, self.dtype, self.quantization,
                                       arch.head_dim)
-                 for op in ("attention", "moe", "linear", "sampling", "norm", "rope", "activation")}
+                 for op in OPERATORS}
         self.backend_names = {op: s.name for op, s in specs.items()}
         load = registry.load
         self.ops = Ops(
@@ -83,6 +84,7 @@ class ModelRunner:
             norm=load(specs["norm"])(),
             activation=load(specs["activation"])(),
             moe=load(specs["moe"])(self.device, self.dtype),
+            routing=load(specs["routing"])(self.device, explicit=cfg.backends.routing != "auto"),
             rope_cls=load(specs["rope"]),
             names=self.backend_names,
             quantization=self.quantization,
@@ -112,6 +114,7 @@ class ModelRunner:
         else:
             load_checkpoint(self.model, source.weights_dir)
         for block in self.model.moe_blocks():
+            self.ops.routing.prepare(block)
             self.ops.moe.prepare(block)
         self.load_format = "dummy" if use_dummy else "safetensors"
         if cfg.torch_compile:

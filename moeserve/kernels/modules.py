@@ -17,8 +17,7 @@ from moeserve.config import EngineConfig, resolve_model_source
 from moeserve.hardware import GPUInfo, HardwareInfo
 from moeserve.kernels.layout import Arch, parse_arch
 from moeserve.ops import registry
-
-OPERATORS = ("attention", "moe", "linear", "sampling", "norm", "rope", "activation")
+from moeserve.ops.names import OPERATORS
 
 PREFILL_GEN = "flashinfer.jit.attention.modules:gen_batch_prefill_module"
 DECODE_GEN = "flashinfer.jit.attention.modules:gen_batch_decode_module"
@@ -134,23 +133,20 @@ def moe_flashinfer(t: Target) -> list[KernelModule]:
     if gen is None:
         return []
     return [KernelModule("fused_moe", "moe", "flashinfer", f"CUTLASS fused MoE ({t.arch.sm}, FAST_BUILD tiles)",
-                         "moeserve.kernels.specs:gen_cutlass_fused_moe_fast_build", (gen,), weight=100)] + moe_routing(t)
+                         "moeserve.kernels.specs:gen_cutlass_fused_moe_fast_build", (gen,), weight=100)]
 
 
-def moe_routing(t: Target) -> list[KernelModule]:
-    """FlashInfer's fused DeepSeek-V3 top-k, which the triton and flashinfer MoE backends install when the
-    model's routing fits it (``moeserve.ops.moe.routing.fused_deepseek_unsupported`` decides)."""
+def routing_fused(t: Target) -> list[KernelModule]:
+    """FlashInfer's fused DeepSeek-V3 top-k, which the fused routing backend installs when the model's
+    routing fits it (``moeserve.ops.moe.routing.fused_deepseek_unsupported`` decides). Softmax and Llama-4
+    routing run moeserve's Triton kernel, which FlashInfer does not build."""
     if t.routing is None or getattr(t.routing, "method", None) != "deepseek_v3":
         return []
     from moeserve.ops.moe.routing import fused_deepseek_unsupported
     if fused_deepseek_unsupported(t.routing, t.num_experts, t.arch.capability) is not None:
         return []
-    return [KernelModule("routing", "moe", "flashinfer", "fused DeepSeek-V3 top-k routing",
+    return [KernelModule("routing", "routing", "fused", "fused DeepSeek-V3 top-k routing",
                          "flashinfer.jit.dsv3_optimizations:gen_dsv3_fused_routing_module", weight=10)]
-
-
-def moe_triton(t: Target) -> list[KernelModule]:
-    return moe_routing(t)
 
 
 def linear_flashinfer(t: Target) -> list[KernelModule]:
@@ -168,7 +164,7 @@ MODULE_TABLE = {
     ("activation", "flashinfer"): activation_flashinfer,
     ("sampling", "flashinfer"): sampling_flashinfer,
     ("moe", "flashinfer"): moe_flashinfer,
-    ("moe", "triton"): moe_triton,
+    ("routing", "fused"): routing_fused,
     ("linear", "flashinfer"): linear_flashinfer,
 }
 

@@ -32,6 +32,7 @@ class Ops:
     activation: object
     moe: object
     rope_cls: type
+    routing: object = None  # installs each MoE block's router (moeserve.ops.moe.routing)
     attention: object = None
     names: dict[str, str] = field(default_factory=dict)
     quantization: str = "none"  # weight format of the quantisable layers: none | fp8
@@ -178,9 +179,12 @@ class DenseMLP(nn.Module):
 class SparseMoE(nn.Module):
     """Router, routed experts, and an optional (optionally gated) shared expert.
 
-    Routing runs ``self.router`` when the MoE backend installed one in ``prepare`` (e.g. FlashInfer's fused
-    DeepSeek-V3 top-k on a GPU; ``routing_impl`` names it), else the torch reference. FP8 experts run the
-    backend's FP8 path when it has one (``serves_fp8``), else the torch FP8 reference.
+    Routing runs ``self.router`` when the routing backend installed one in ``prepare`` (a fused top-k kernel
+    on a GPU; ``routing_impl`` names it), else the torch reference. FP8 experts run the backend's FP8 path when
+    it has one (``serves_fp8``), else the torch FP8 reference.
+
+    A shared expert's gate (``x . w``, one output) is a row more of the router's weight when both are in the
+    model dtype: one GEMM computes the router logits and the gate logit.
     """
 
     def __init__(self, ops: Ops, arch: ArchConfig, dtype, device):
@@ -190,7 +194,10 @@ class SparseMoE(nn.Module):
         h, i, e = arch.hidden_size, arch.moe_intermediate_size, arch.num_experts
         self.intermediate = i
         self.router_fp32 = arch.router_fp32
-        self.gate = Linear(ops, h, e, False, torch.float32 if arch.router_fp32 else dtype, device)
+        gated_shared = bool(arch.shared_expert_intermediate_size and arch.shared_expert_gate)
+        self.shared_gate_in_router = gated_shared and not arch.router_fp32
+        self.gate = Linear(ops, h, e + int(self.shared_gate_in_router), False,
+                           torch.float32 if arch.router_fp32 else dtype, device)
         fp8 = _fp8(ops)
         self.w13 = _param((e, 2 * i, h), FP8_DTYPE if fp8 else dtype, device)
         self.w2 = _param((e, h, i), FP8_DTYPE if fp8 else dtype, device)
@@ -204,18 +211,22 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = None
         if arch.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(ops, h, arch.shared_expert_intermediate_size, dtype, device)
-            if arch.shared_expert_gate:
+            if arch.shared_expert_gate and not self.shared_gate_in_router:
                 self.shared_expert_gate = Linear(ops, h, 1, False, dtype, device)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weights float32 [T, k], ids int32 [T, k])`` for the tokens ``x``."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(weights float32 [T, k], ids int32 [T, k], shared-expert gate logit [T, 1] or None)`` for the
+        tokens ``x``; the gate logit is there when the router's GEMM computed it."""
         logits = self.gate(x.float() if self.router_fp32 else x)
+        gate_logit = None
+        if self.shared_gate_in_router:
+            logits, gate_logit = logits[:, :self.num_experts], logits[:, self.num_experts:]
         if self.router is not None:
-            return self.router(logits, self.correction_bias)
-        return select_experts(logits, self.routing, self.correction_bias)
+            return (*self.router(logits, self.correction_bias), gate_logit)
+        return (*select_experts(logits, self.routing, self.correction_bias), gate_logit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
+        weights, ids, gate_logit = self.route(x)
         if self.w13_scale_inv is not None and not getattr(self.ops.moe, "serves_fp8", False):
             out = experts_fp8_reference(x, weights, ids, self)
         else:
@@ -223,13 +234,17 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+                gate_logit = self.shared_expert_gate(x)
+            if gate_logit is not None:
+                shared = torch.sigmoid(gate_logit) * shared
             out = out + shared
         return out
 
     def entries(self, prefix: str) -> dict[str, Entry]:
-        i = self.intermediate
-        e: dict[str, Entry] = {f"{prefix}.gate.weight": Entry(self.gate.weight)}
+        i, n = self.intermediate, self.num_experts
+        e: dict[str, Entry] = {f"{prefix}.gate.weight": Entry(self.gate.weight, (slice(0, n),))}
+        if self.shared_gate_in_router:
+            e[f"{prefix}.shared_expert_gate.weight"] = Entry(self.gate.weight, (slice(n, n + 1),))
         per_expert_13, per_expert_2 = [], []
         s13, s2 = self.w13_scale_inv, self.w2_scale_inv
         for x in range(self.num_experts):

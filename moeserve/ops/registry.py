@@ -66,6 +66,14 @@ SPECS: dict[str, list[BackendSpec]] = {
         BackendSpec("moe", "torch", "moeserve.ops.moe.torch_ref:TorchMoE", Requirements(),
                     "torch reference, one expert at a time"),
     ],
+    "routing": [
+        BackendSpec("routing", "fused", "moeserve.ops.moe.routing:FusedRouting",
+                    Requirements(cuda=True, min_capability=(7, 5), packages=("triton",)),
+                    "one top-k kernel per layer: FlashInfer fused_topk_deepseek (DeepSeek-V3), moeserve's "
+                    "Triton kernel (softmax, Llama 4)"),
+        BackendSpec("routing", "torch", "moeserve.ops.moe.routing:TorchRouting", Requirements(),
+                    "torch softmax/sigmoid, top-k and renormalisation"),
+    ],
     "linear": [
         BackendSpec("linear", "flashinfer", "moeserve.ops.linear:FlashInferFp8Linear",
                     Requirements(cuda=True, capabilities=((9, 0),), packages=_FI, quantization=("fp8",),

@@ -7,15 +7,13 @@ copy of the weights); and it returns a list whose first element is the output.
 Block-FP8 experts run the DeepSeek FP8 block-scale path (``use_deepseek_fp8_block_scale=True``, sm90 only,
 bf16 activations quantised 1x128 inside the kernel, ``quant_scales=[fc1_scales, fc2_scales]`` of shapes
 ``[E, 2I/128, H/128]`` and ``[E, H/128, I/128]``); ``prepare`` swaps the gate and up *scale* blocks with the
-weight rows, which needs ``I`` and ``H`` to be multiples of 128. DeepSeek-V3 routing uses FlashInfer's
-fused top-k kernel when it applies (see ``routing.install_router``).
+weight rows, which needs ``I`` and ``H`` to be multiples of 128.
 """
 from __future__ import annotations
 
 import torch
 
 from moeserve.ops import flashinfer_env  # noqa: F401
-from moeserve.ops.moe.routing import install_router
 from moeserve.quant.fp8 import BLOCK
 
 
@@ -50,10 +48,8 @@ class FlashInferMoE:
         self._fn = cutlass_fused_moe
         self.device = device
         self.dtype = dtype
-        self.routing_logged: set[tuple] = set()
 
     def prepare(self, layer) -> None:
-        install_router(layer, self.device, self.routing_logged, self.name)
         scales = getattr(layer, "w13_scale_inv", None)
         if scales is not None:
             inter, hidden = layer.w2.shape[2], layer.w2.shape[1]

@@ -10,9 +10,12 @@ Three schemes:
 
 All return ``(weights float32 [T, k], ids int32 [T, k])``.
 
-On a GPU, DeepSeek-V3 routing can also run FlashInfer's fused kernel (``FusedDeepseekRouter``); a GPU MoE
-backend installs it on a layer with ``install_router`` when the kernel's limits allow, and the torch
-functions here stay the reference and the fallback.
+On a GPU each scheme also runs as one fused kernel: DeepSeek-V3 routing through FlashInfer's
+``fused_topk_deepseek`` (``FusedDeepseekRouter``), softmax and Llama-4 routing through moeserve's Triton
+kernel (``routing_triton.TritonTopkRouter``). These are the two backends of the ``routing`` operator: ``fused``
+installs the fused router on each MoE layer (``FusedRouting.prepare``) when the kernel's limits allow
+(with ``auto``, a layer it cannot serve keeps torch routing and the reason is logged; named explicitly, it
+is refused), and ``torch`` keeps the torch functions here, which stay the reference.
 """
 from __future__ import annotations
 
@@ -158,20 +161,66 @@ class FusedDeepseekRouter:
         return weights, ids
 
 
+def triton_topk_unsupported(cfg: RoutingConfig, num_experts: int, device: torch.device) -> str | None:
+    """None when moeserve's Triton top-k kernel computes ``cfg`` on ``device``, else why not."""
+    if device.type != "cuda":
+        return "needs a CUDA GPU"
+    import importlib.util
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    from moeserve.ops.moe.routing_triton import unsupported
+    return unsupported(cfg.method, num_experts, cfg.top_k)
+
+
 def gpu_router(cfg: RoutingConfig, num_experts: int, device: torch.device):
-    """``(router or None, name, reason)``: the fused router when it applies, else None (torch routing)."""
-    cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    why = fused_deepseek_unsupported(cfg, num_experts, cc)
+    """``(router or None, name, reason)``: the fused router when one applies, else None (torch routing)."""
+    device = torch.device(device)
+    if cfg.method == "deepseek_v3":
+        cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        why = fused_deepseek_unsupported(cfg, num_experts, cc)
+        if why is not None:
+            return None, "torch", why
+        return FusedDeepseekRouter(cfg, num_experts, device), FusedDeepseekRouter.name, None
+    why = triton_topk_unsupported(cfg, num_experts, device)
     if why is not None:
         return None, "torch", why
-    return FusedDeepseekRouter(cfg, num_experts, device), FusedDeepseekRouter.name, None
+    from moeserve.ops.moe.routing_triton import TritonTopkRouter
+    return TritonTopkRouter(cfg), TritonTopkRouter.name, None
 
 
-def install_router(layer, device: torch.device, logged: set, backend: str) -> None:
-    """Give ``layer`` the GPU router for its routing when one applies; log the choice once per kind."""
-    router, name, why = gpu_router(layer.routing, layer.num_experts, device)
-    layer.router, layer.routing_impl = router, name
-    key = (layer.routing.method, name, why)
-    if layer.routing.method == "deepseek_v3" and key not in logged:
-        logged.add(key)
-        log.info("moe %s: deepseek_v3 routing runs %s%s", backend, name, f" ({why})" if why else "")
+class TorchRouting:
+    """The ``torch`` routing backend: every MoE layer routes through ``select_experts``."""
+
+    name = "torch"
+
+    def __init__(self, device: torch.device, explicit: bool = False):
+        self.device = device
+
+    def prepare(self, layer) -> None:
+        layer.router, layer.routing_impl = None, "torch"
+
+
+class FusedRouting:
+    """The ``fused`` routing backend: one fused top-k kernel per MoE layer (see ``gpu_router``).
+
+    Chosen by ``auto``, a layer whose routing the kernels cannot compute keeps torch routing and the reason
+    is logged once; named explicitly (``backends.routing: fused``), such a layer is refused."""
+
+    name = "fused"
+
+    def __init__(self, device: torch.device, explicit: bool = False):
+        self.device, self.explicit = torch.device(device), explicit
+        self._logged: set[tuple] = set()
+
+    def prepare(self, layer) -> None:
+        from moeserve.ops.registry import BackendUnavailable
+        cfg = layer.routing
+        router, name, why = gpu_router(cfg, layer.num_experts, self.device)
+        if router is None and self.explicit:
+            raise BackendUnavailable(f"backends.routing: 'fused' cannot run this model's {cfg.method} routing "
+                                     f"({layer.num_experts} experts, top-{cfg.top_k}): {why}")
+        layer.router, layer.routing_impl = router, name
+        key = (cfg.method, name, why)
+        if key not in self._logged:
+            self._logged.add(key)
+            log.info("routing: %s routing runs %s%s", cfg.method, name, f" ({why})" if why else "")

@@ -1,16 +1,13 @@
 """moeserve's fused MoE Triton kernel as a MoE backend, with tuned per-shape configs.
 
 High-precision experts run ``triton_kernels.fused_moe``; block-FP8 experts run ``fp8_triton.fused_moe_fp8``.
-DeepSeek-V3 routing uses FlashInfer's fused top-k kernel when the GPU and routing shape allow it
-(``routing.gpu_router``), else torch; each layer's choice is in ``layer.routing_impl`` and is logged once.
+(Routing is the ``routing`` operator's: see ``moeserve.ops.moe.routing``.)
 """
 from __future__ import annotations
 
 import logging
 
 import torch
-
-from moeserve.ops.moe.routing import install_router
 
 log = logging.getLogger("moeserve")
 
@@ -27,10 +24,8 @@ class TritonMoE:
         self.device = device
         self.dtype = dtype
         self.untuned: set[tuple] = set()
-        self.routing_logged: set[tuple] = set()
 
     def prepare(self, layer) -> None:
-        install_router(layer, self.device, self.routing_logged, self.name)
         e, two_i, h = layer.w13.shape
         fp8 = getattr(layer, "w13_scale_inv", None) is not None
         shape = (e, two_i // 2, h, fp8)

@@ -1,0 +1,101 @@
+"""Softmax (Qwen, Mixtral) and Llama-4 routing as one Triton kernel: top-k and weights for every token in
+one launch.
+
+The torch reference (``routing.softmax_topk``, ``routing.llama4_topk``) runs softmax, ``torch.topk``
+(two kernels on a GPU) and the renormalisation as separate launches per layer; at small batches those
+launches cost more than the router's GEMM. Here one program handles one token: it loads the token's
+logits, picks the ``k`` largest (the lowest index first among equal logits), and writes
+- ``softmax``: their softmax probabilities, or with ``renormalize`` the softmax over the chosen ``k``
+  (the same numbers as renormalising the full softmax, without computing it);
+- ``llama4``: the sigmoid of the chosen logits.
+
+Logits may be a column slice of a wider tensor (the router GEMM merged with the shared expert's gate):
+rows are addressed by their stride. No host synchronisation, so it can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_EXPERTS = 4096
+MAX_TOPK = 64
+METHODS = ("softmax", "llama4")
+
+
+@triton.jit
+def _topk_route_kernel(logits_ptr, stride_t, weights_ptr, ids_ptr, E, K: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    valid = offs < E
+    x = tl.load(logits_ptr + t * stride_t + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    slots = tl.arange(0, BLOCK_K)
+    chosen = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    rest = x
+    for j in tl.static_range(K):
+        best = tl.max(rest, axis=0)
+        idx = tl.min(tl.where(valid & (rest == best), offs, BLOCK_E), axis=0)
+        chosen = tl.where(slots == j, best, chosen)
+        ids = tl.where(slots == j, idx, ids)
+        rest = tl.where(offs == idx, float("-inf"), rest)
+    in_k = slots < K
+    if SOFTMAX:
+        top = tl.max(x, axis=0)
+        e = tl.where(in_k, tl.exp(chosen - top), 0.0)
+        if RENORM:
+            w = e / tl.sum(e, axis=0)
+        else:
+            w = e / tl.sum(tl.where(valid, tl.exp(x - top), 0.0), axis=0)
+    else:
+        w = tl.sigmoid(chosen)
+    tl.store(weights_ptr + t * K + slots, w, mask=in_k)
+    tl.store(ids_ptr + t * K + slots, ids, mask=in_k)
+
+
+def unsupported(method: str, num_experts: int, top_k: int) -> str | None:
+    """None when the kernel computes this routing, else why not."""
+    if method not in METHODS:
+        return f"routing is {method}"
+    if not 1 <= top_k <= min(num_experts, MAX_TOPK):
+        return f"top_k {top_k} is outside 1..{min(num_experts, MAX_TOPK)}"
+    if num_experts > MAX_EXPERTS:
+        return f"{num_experts} experts (max {MAX_EXPERTS})"
+    return None
+
+
+def topk_route(logits: torch.Tensor, method: str, top_k: int, renormalize: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights float32 [T, k], ids int32 [T, k])`` for ``logits [T, E]`` (any float dtype; its last
+    dimension contiguous), as ``routing.softmax_topk`` / ``routing.llama4_topk`` compute them."""
+    t, e = logits.shape
+    why = unsupported(method, e, top_k)
+    if why is not None:
+        raise ValueError(f"Triton routing: {why}")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
+    if t:
+        block_e = triton.next_power_of_2(e)
+        _topk_route_kernel[(t,)](logits, logits.stride(0), weights, ids, e, K=top_k, BLOCK_E=block_e,
+                                 BLOCK_K=triton.next_power_of_2(top_k), SOFTMAX=method == "softmax",
+                                 RENORM=renormalize, num_warps=1 if block_e <= 128 else 4)
+    return weights, ids
+
+
+class TritonTopkRouter:
+    """A layer's router (see ``routing.install_router``): softmax or Llama-4 routing through
+    :func:`topk_route`."""
+
+    name = "triton_topk"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    @torch.compiler.disable  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
+    def __call__(self, logits: torch.Tensor, correction_bias: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        return topk_route(logits, c.method, c.top_k, c.renormalize)
