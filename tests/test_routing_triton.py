@@ -149,6 +149,27 @@ def test_routing_backend_auto_is_torch_on_cpu_and_fused_is_refused_there():
         LLM(model="tiny", device="cpu", max_model_len=64, max_num_seqs=2, backends={"routing": "fused"})
 
 
+def test_shared_expert_gate_is_a_row_of_the_padded_router_weight(tmp_path):
+    """Qwen2-MoE: the router GEMM also gives the shared expert's gate logit (row E, checkpoint value), the
+    weight is padded to a multiple of 8 rows, and what the padding holds never reaches the output."""
+    from hf_models import make_checkpoint
+    from moeserve import LLM
+    hf = make_checkpoint("qwen2_moe", tmp_path)
+    block = LLM(model=str(tmp_path), dtype="float32", device="cpu", max_model_len=64,
+                max_num_seqs=2).engine.runner.model.layers[0].mlp
+    hf_block = hf.model.layers[0].mlp
+    e = block.num_experts
+    w = block.gate.weight
+    assert block.shared_gate_in_router and block.shared_expert_gate is None
+    assert w.shape[0] % 8 == 0 and e + 1 <= w.shape[0] < e + 9
+    assert torch.equal(w[:e], hf_block.gate.weight) and torch.equal(w[e:e + 1], hf_block.shared_expert_gate.weight)
+    x = torch.randn(7, w.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = block(x)
+        w[e + 1:] = float("nan")
+        assert torch.equal(block(x), out)
+
+
 def test_step_profile_sorts_routing_kernels_apart_from_sampling():
     from moeserve.bench.step_profile import family
     for name in ("_topk_route_kernel", "void at::native::sbtopk::gatherTopK<float>",

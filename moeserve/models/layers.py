@@ -184,7 +184,8 @@ class SparseMoE(nn.Module):
     it has one (``serves_fp8``), else the torch FP8 reference.
 
     A shared expert's gate (``x . w``, one output) is a row more of the router's weight when both are in the
-    model dtype: one GEMM computes the router logits and the gate logit.
+    model dtype: one GEMM computes the router logits and the gate logit (row ``E``; the weight is padded
+    with zero rows to a multiple of 8).
     """
 
     def __init__(self, ops: Ops, arch: ArchConfig, dtype, device):
@@ -196,8 +197,11 @@ class SparseMoE(nn.Module):
         self.router_fp32 = arch.router_fp32
         gated_shared = bool(arch.shared_expert_intermediate_size and arch.shared_expert_gate)
         self.shared_gate_in_router = gated_shared and not arch.router_fp32
-        self.gate = Linear(ops, h, e + int(self.shared_gate_in_router), False,
-                           torch.float32 if arch.router_fp32 else dtype, device)
+        rows = e
+        if self.shared_gate_in_router:  # E + 1 rows, padded to a multiple of 8 with zero rows that are never read:
+            rows = -(-(e + 1) // 8) * 8  # cuBLAS takes slow kernels for outputs whose rows are not 16-byte aligned
+        self.gate = Linear(ops, h, rows, False, torch.float32 if arch.router_fp32 else dtype, device)
+        self.gate.weight.data[e:].zero_()
         fp8 = _fp8(ops)
         self.w13 = _param((e, 2 * i, h), FP8_DTYPE if fp8 else dtype, device)
         self.w2 = _param((e, h, i), FP8_DTYPE if fp8 else dtype, device)
@@ -220,7 +224,7 @@ class SparseMoE(nn.Module):
         logits = self.gate(x.float() if self.router_fp32 else x)
         gate_logit = None
         if self.shared_gate_in_router:
-            logits, gate_logit = logits[:, :self.num_experts], logits[:, self.num_experts:]
+            logits, gate_logit = logits[:, :self.num_experts], logits[:, self.num_experts:self.num_experts + 1]
         if self.router is not None:
             return (*self.router(logits, self.correction_bias), gate_logit)
         return (*select_experts(logits, self.routing, self.correction_bias), gate_logit)
