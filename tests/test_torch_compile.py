@@ -22,20 +22,24 @@ def test_compiled_mlps_match_eager():
 
 @pytest.mark.gpu
 def test_compiled_mlps_with_the_triton_moe_match_eager_on_the_gpu():
-    """On the GPU the MoE experts are a Triton kernel: torch.compile must leave its launch to run eagerly
-    (``torch.compiler.disable``) and compile the rest of the block. First-token logits within bf16 tolerance
-    (relative Frobenius error below 2e-2)."""
+    """On the GPU the MoE experts and the routing are Triton kernels: torch.compile must leave their launches
+    to run eagerly (``torch.compiler.disable``) and compile the rest of the block. In float32, so that the
+    comparison checks the compiled code and not routing near-ties: in bf16 the compiled router GEMM may
+    round a logit differently from the eager one, which can swap a token's k-th expert (one prompt's
+    first-token logits moved by 25% in bf16). Logits within relative Frobenius error 1e-3, same greedy tokens."""
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     prompts = [list(range(1, n)) for n in (5, 30, 12)]
     # a small KV pool: both engines are alive at once, and by default each would reserve most of the GPU
-    kw = dict(model="tiny", device="cuda", dtype="bfloat16", max_num_batched_tokens=64, num_kv_pages=64,
-              max_model_len=256, backends={"moe": "triton", "attention": "torch"}, enforce_eager=True)
-    _, eager_rows = run_recording_logits(LLM(**kw), prompts, params)
+    kw = dict(model="tiny", device="cuda", dtype="float32", max_num_batched_tokens=64, num_kv_pages=64,
+              max_model_len=256, backends={"moe": "triton", "routing": "fused", "attention": "torch"},
+              enforce_eager=True)
+    eager_seqs, eager_rows = run_recording_logits(LLM(**kw), prompts, params)
     llm = LLM(**kw, torch_compile=True)
     assert llm.engine.runner.ops.moe.name == "triton"
-    _, rows = run_recording_logits(llm, prompts, params)
-    first = [k for k in eager_rows if k[1] == min(p for r, p in eager_rows if r == k[0])]
-    assert len(first) == len(prompts)
-    for key in first:
-        err = float((rows[key].float() - eager_rows[key].float()).norm() / eager_rows[key].float().norm())
-        assert err < 2e-2, (key, err)
+    assert all(b.routing_impl == "triton_topk" for b in llm.engine.runner.model.moe_blocks())
+    seqs, rows = run_recording_logits(llm, prompts, params)
+    assert [s.output_token_ids for s in seqs] == [s.output_token_ids for s in eager_seqs]
+    assert rows.keys() == eager_rows.keys() and len(rows) >= len(prompts)
+    for key, row in rows.items():
+        err = float((row.float() - eager_rows[key].float()).norm() / eager_rows[key].float().norm())
+        assert err < 1e-3, (key, err)
