@@ -86,7 +86,7 @@ def topk_route(logits: torch.Tensor, method: str, top_k: int, renormalize: bool 
 
 
 class TritonTopkRouter:
-    """A layer's router (see ``routing.install_router``): softmax or Llama-4 routing through
+    """A layer's router (installed by ``routing.FusedRouting``): softmax or Llama-4 routing through
     :func:`topk_route`."""
 
     name = "triton_topk"
