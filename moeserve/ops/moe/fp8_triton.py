@@ -115,7 +115,7 @@ def fused_moe_fp8_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_wei
         b_ptrs += BLOCK_SIZE_K * stride_bk
 
     store_tile(acc, c_ptr, topk_weights_ptr, offs_token, token_mask, pid_n, N, stride_cm, stride_cn, BLOCK_SIZE_N,
-                MUL_ROUTED_WEIGHT)
+               MUL_ROUTED_WEIGHT)
 
 
 def invoke_fused_moe_fp8_kernel(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,

@@ -155,7 +155,7 @@ def tile_rows(sorted_token_ids_ptr, expert_ids_ptr, pid_m, num_valid_tokens, BLO
 
 @triton.jit
 def store_tile(acc, c_ptr, topk_weights_ptr, offs_token, token_mask, pid_n, N, stride_cm, stride_cn,
-                BLOCK_SIZE_N: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr):
+               BLOCK_SIZE_N: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr):
     """Write a float32 tile to its rows of ``C`` (scaled by the routed weights when asked), padding skipped."""
     if MUL_ROUTED_WEIGHT:
         w = tl.load(topk_weights_ptr + offs_token, mask=token_mask, other=0.0)
@@ -207,7 +207,7 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
         b_ptrs += BLOCK_SIZE_K * stride_bk
 
     store_tile(acc, c_ptr, topk_weights_ptr, offs_token, token_mask, pid_n, N, stride_cm, stride_cn, BLOCK_SIZE_N,
-                MUL_ROUTED_WEIGHT)
+               MUL_ROUTED_WEIGHT)
 
 
 @triton.jit
