@@ -14,9 +14,7 @@ torch on CPU tensors.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,8 +24,8 @@ pytest.importorskip("triton")
 from moeserve.quant.fp8 import block_quant_fp8, per_token_group_quant_fp8  # noqa: E402
 from moeserve.quant.moe_ref import fp8_moe_reference  # noqa: E402
 from test_triton_moe import random_moe_inputs, reference_moe  # noqa: E402
+from triton_interpreter import is_worker, patch_for_numpy, run_worker  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 SEED = int(os.environ.get("MOESERVE_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
 FP32_REL, FP16_REL, FP8_REL = 2e-3, 5e-3, 8e-2
 
@@ -46,8 +44,7 @@ CASES = {
 
 
 def _interpreter_worker(in_path: str, out_path: str) -> None:
-    from test_triton_moe import _patch_interpreter_for_numpy
-    _patch_interpreter_for_numpy()
+    patch_for_numpy()
     from moeserve.ops.moe.fp8_triton import fused_moe_fp8, per_token_group_quant_fp8_triton
     inputs = torch.load(in_path)
     out = {"moe": {}, "quant": per_token_group_quant_fp8_triton(inputs["quant"])}
@@ -67,14 +64,8 @@ def interpreted(tmp_path_factory):
         moe[name] = (x.to(dtype), q13, s13, q2, s2, tw, ti, cfg)
         raw[name] = (x, w13, w2, tw, ti)
     quant = torch.randn(7, 300, generator=gen) * 5
-    d = tmp_path_factory.mktemp("interp-fp8")
-    torch.save({"moe": moe, "quant": quant}, d / "in.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    proc = subprocess.run([sys.executable, __file__, "--interpreter-worker", str(d / "in.pt"), str(d / "out.pt")],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"interpreter worker failed (seed {SEED}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    return {"moe": moe, "raw": raw, "quant": quant}, torch.load(d / "out.pt")
+    out = run_worker(__file__, {"moe": moe, "quant": quant}, tmp_path_factory.mktemp("interp-fp8"), SEED)
+    return {"moe": moe, "raw": raw, "quant": quant}, out
 
 
 def _rel(a, b):
@@ -128,6 +119,5 @@ def test_input_checks_name_the_problem():
         fused_moe_fp8(x, q13.float(), s13, q2, s2, tw, ti)
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--interpreter-worker"]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __name__ == "__main__" and is_worker(sys.argv):
     _interpreter_worker(sys.argv[2], sys.argv[3])

@@ -13,9 +13,7 @@ Checks, on fresh random logits (the seed is printed on failure; ``MOESERVE_TEST_
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +21,8 @@ import torch
 pytest.importorskip("triton")
 
 from moeserve.ops.moe.routing import RoutingConfig, llama4_topk, softmax_topk  # noqa: E402
+from triton_interpreter import is_worker, patch_for_numpy, run_worker  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 SEED = int(os.environ.get("MOESERVE_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
 RTOL, ATOL = 1e-5, 1e-7
 TIE_GAP = 1e-3
@@ -82,8 +80,7 @@ def make_full(T, E, dtype, extra, gen, device="cpu"):
 
 
 def _interpreter_worker(in_path: str, out_path: str) -> None:
-    from test_triton_moe import _patch_interpreter_for_numpy
-    _patch_interpreter_for_numpy()
+    patch_for_numpy()
     from moeserve.ops.moe.routing_triton import topk_route
     inputs = torch.load(in_path)
     out = {}
@@ -99,14 +96,7 @@ def interpreted(tmp_path_factory):
     inputs = {}
     for name, (T, E, k, method, renorm, dtype, extra) in CPU_CASES.items():
         inputs[name] = (make_full(T, E, dtype, extra, gen), E, k, method, renorm)
-    d = tmp_path_factory.mktemp("route")
-    torch.save(inputs, d / "in.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(REPO), str(REPO / "tests")] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    proc = subprocess.run([sys.executable, __file__, str(d / "in.pt"), str(d / "out.pt")], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"interpreter worker failed (seed {SEED}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    return inputs, torch.load(d / "out.pt")
+    return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("route"), SEED, timeout=300)
 
 
 @pytest.mark.parametrize("name", list(CPU_CASES))
@@ -238,5 +228,5 @@ def test_fused_routing_named_explicitly_refuses_a_layer_it_cannot_route():
     assert ok.routing_impl == "triton_topk"
 
 
-if __name__ == "__main__":
-    _interpreter_worker(sys.argv[1], sys.argv[2])
+if __name__ == "__main__" and is_worker(sys.argv):
+    _interpreter_worker(sys.argv[2], sys.argv[3])

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +20,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-REPO = Path(__file__).resolve().parents[1]
+from triton_interpreter import is_worker, patch_for_numpy, run_worker  # noqa: E402
+
 SEED = int(os.environ.get("MOESERVE_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
 
 FP32_RTOL, FP32_ATOL = 1e-4, 1e-5
@@ -120,20 +119,8 @@ def check_alignment(sorted_ids, expert_ids, ntpp, topk_ids, block_m, E):
 
 # ---------------------------------------------------------------- CPU: Triton interpreter
 
-def _patch_interpreter_for_numpy():
-    """Triton 3.6's interpreter converts size-1 arrays with ``int()``, an error from NumPy 2.4 on."""
-    import triton.runtime.interpreter as interp
-    orig = interp._patch_lang_tensor
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patched
-
-
 def _interpreter_worker(in_path: str, out_path: str) -> None:
-    _patch_interpreter_for_numpy()
+    patch_for_numpy()
     from moeserve.ops.moe.triton_kernels import fused_moe, moe_align_block_size
     inputs = torch.load(in_path)
     out = {"moe": {}, "align": {}}
@@ -154,14 +141,8 @@ def interpreted(tmp_path_factory):
     align = {}
     for name, (T, k, E, bm, ids_dtype) in ALIGN_CASES.items():
         align[name] = (random_routing(T, E, k, gen, ids_dtype=ids_dtype)[1], bm, E)
-    d = tmp_path_factory.mktemp("interp")
-    torch.save({"moe": moe, "align": align}, d / "in.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    proc = subprocess.run([sys.executable, __file__, "--interpreter-worker", str(d / "in.pt"), str(d / "out.pt")],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"interpreter worker failed (seed {SEED}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    return {"moe": moe, "align": align}, torch.load(d / "out.pt")
+    inputs = {"moe": moe, "align": align}
+    return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("interp"), SEED)
 
 
 @pytest.mark.parametrize("name", list(MOE_CASES))
@@ -374,5 +355,5 @@ def test_fused_moe_cuda_graph(qwen_weights, M):
         assert float((out.float() - ref).norm() / ref.norm()) < BF16_REL_FRO
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--interpreter-worker"]:
+if __name__ == "__main__" and is_worker(sys.argv):
     _interpreter_worker(sys.argv[2], sys.argv[3])
