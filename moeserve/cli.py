@@ -10,53 +10,12 @@ import json
 import logging
 import sys
 
-from moeserve.config import ConfigError, EngineConfig, load_config, parse_override
-
-# (flag, config field, type) for the fields most runs touch; anything else goes through --set.
-CONFIG_FLAGS = [
-    ("--model", "model", str), ("--weights-dir", "weights_dir", str), ("--load-format", "load_format", str),
-    ("--dtype", "dtype", str), ("--device", "device", str), ("--gpu-arch", "gpu_arch", str),
-    ("--quantization", "quantization", str), ("--seed", "seed", int),
-    ("--max-num-seqs", "max_num_seqs", int), ("--max-num-batched-tokens", "max_num_batched_tokens", int),
-    ("--max-model-len", "max_model_len", int), ("--page-size", "page_size", int),
-    ("--gpu-memory-utilization", "gpu_memory_utilization", float), ("--kv-cache-gb", "kv_cache_gb", float),
-    ("--num-kv-pages", "num_kv_pages", int),
-]
-
-
-def add_config_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine configuration (flags override the YAML file)")
-    g.add_argument("--config", "-c", help="YAML config file")
-    for flag, field, typ in CONFIG_FLAGS:
-        g.add_argument(flag, dest=f"cfg_{field}", type=typ, default=None, metavar=field.upper())
-    g.add_argument("--enforce-eager", action="store_true", default=None, dest="cfg_enforce_eager",
-                   help="no CUDA graphs")
-    g.add_argument("--cuda-graph-batch-sizes", type=int, nargs="*", dest="cfg_cuda_graph_batch_sizes",
-                   metavar="N", help="decode batch sizes to capture")
-    g.add_argument("--backend", action="append", default=[], metavar="OP=NAME",
-                   help="operator backend, e.g. --backend moe=triton (attention, moe, linear, sampling, norm, rope, activation)")
-    g.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override any config field, e.g. --set bench.runs=5")
-
-
-def overrides_from_args(args: argparse.Namespace) -> dict:
-    """``{dotted.field: value}`` from the engine flags, ``--backend op=name`` and ``--set field=value``."""
-    overrides = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg_") and v is not None}
-    for item in args.backend:
-        key, value = parse_override(item)
-        overrides[f"backends.{key}"] = value
-    for item in args.set:
-        key, value = parse_override(item)
-        overrides[key] = value
-    return overrides
-
-
-def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return load_config(args.config, overrides_from_args(args))
+from moeserve.args import add_config_args, config_from_args
+from moeserve.config import ConfigError
 
 
 def _cmd_env(args) -> int:
-    from moeserve.env_report import print_env
+    from moeserve.tools.env_report import print_env
     return print_env(args)
 
 
@@ -91,8 +50,8 @@ def _subcommand_modules():
         ("bench", "moeserve.bench.cli", "benchmark moeserve (and vLLM) on the configured model"),
         ("compare", "moeserve.bench.cli_compare", "print two benchmark result files side by side"),
         ("serve", "moeserve.server.cli", "OpenAI-compatible HTTP server"),
-        ("precompile", "moeserve.kernels", "build the FlashInfer kernels this config will load, ahead of time"),
-        ("install-kernels", "moeserve.kernels", "install FlashInfer's pre-built kernel packages for this GPU"),
+        ("precompile", "moeserve.tools.precompile", "build the FlashInfer kernels this config will load, ahead of time"),
+        ("install-kernels", "moeserve.tools.install", "install FlashInfer's pre-built kernel packages for this GPU"),
     ]
 
 
@@ -128,7 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
             if err.name and err.name.startswith("moeserve"):
                 continue  # feature not part of this build
             raise
-        mod.register(sub, name, help_text)
+        if hasattr(mod, "register"):
+            mod.register(sub, name, help_text)
+        else:  # a tool module: add_args(parser) and run(args)
+            sp = sub.add_parser(name, help=help_text, description=(mod.__doc__ or "").split("\n\n")[0])
+            mod.add_args(sp)
+            sp.set_defaults(func=mod.run)
     return p
 
 
@@ -143,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     except (ValueError, RuntimeError, NotImplementedError) as e:
-        from moeserve.engine.engine import RequestError
-        from moeserve.kernels import KernelCacheError
-        from moeserve.ops.registry import BackendUnavailable
+        from moeserve.backends import BackendUnavailable
+        from moeserve.engine.requests import RequestError
+        from moeserve.kernel_cache import KernelCacheError
         if isinstance(e, (BackendUnavailable, RequestError, KernelCacheError, NotImplementedError)) or type(e) is ValueError:
             print(f"error: {e}", file=sys.stderr)
             return 2

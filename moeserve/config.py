@@ -12,9 +12,20 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from moeserve.ops.names import BACKEND_NAMES, OPERATORS
+from moeserve.backends import BACKEND_NAMES, OPERATORS
 
 PRESET_DIR = Path(__file__).parent / "presets"
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str | None, device):
+    """The model dtype: ``requested`` unless ``auto``; ``auto`` is float32 on the CPU and the checkpoint's
+    16-bit type (bfloat16 unless it says float16) on a GPU."""
+    import torch
+    if requested != "auto":
+        return getattr(torch, requested)  # float32 | bfloat16 | float16 (the field's Literal)
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
 
 
 def preset_names() -> list[str]:

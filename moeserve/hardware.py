@@ -1,6 +1,6 @@
 """What this machine is: GPUs and their compute capability, memory, and the versions of the kernel libraries.
 
-The probe runs first, before any kernel is chosen; ``moeserve.ops.registry`` reads it to decide which
+The probe runs first, before any kernel is chosen; ``moeserve.backends`` reads it to decide which
 operator backends this machine can run.
 """
 from __future__ import annotations

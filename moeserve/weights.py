@@ -118,6 +118,24 @@ def _load_tensor(placer: Fp8Placer, entry, target: torch.Tensor, name: str, tens
         target.copy_(tensor.to(target.dtype))
 
 
+def load_weights(model: MoECausalLM, source, load_format: str, seed: int = 0) -> str:
+    """Put weights into ``model`` from ``source`` (a ``moeserve.config.ModelSource``); returns the format used.
+
+    ``auto`` reads the checkpoint when the model has weight files and draws random weights for a preset
+    (which has none by design); a model directory without weight files is refused, not filled with random
+    weights, unless ``load_format: dummy`` asks for them.
+    """
+    if load_format == "dummy" or (load_format == "auto" and source.config_dir is None and source.weights_dir is None):
+        init_dummy(model, seed=seed)
+        return "dummy"
+    if source.weights_dir is None:
+        where = source.config_dir or source.name
+        raise WeightError(f"model {where!r} has no weight files (*.safetensors); point --model at a directory with "
+                          "the checkpoint, or ask for random weights with --load-format dummy")
+    load_checkpoint(model, source.weights_dir)
+    return "safetensors"
+
+
 @torch.no_grad()
 def init_dummy(model: MoECausalLM, seed: int = 0, std: float | None = None) -> None:
     """Random weights of the right shapes: N(0, initializer_range) matrices, unit norms, zero biases.

@@ -1,8 +1,12 @@
-"""Two engines stepped together on one schedule, for comparing a fast path with its reference.
+"""Engines stepped by hand, for comparing a fast path with its reference.
+
+``lockstep``: two engines stepped together on one schedule.
 
 Both engines get the same requests; each step both schedule (the schedules must be identical), compute the
 logits of the rows that sample, and are fed the same greedy tokens: the reference's (``follow="ref"``,
 teacher forcing by the reference) or the fast engine's (``follow="fast"``). Every sampled row is compared.
+
+``run_recording_logits``: one engine driven step by step, keeping every sampled row's logits.
 """
 from __future__ import annotations
 
@@ -42,8 +46,8 @@ def lockstep(fast, ref, prompts: list[list[int]], max_tokens: int, follow: str =
         graphs = fast.runner.graphs
         if graphs is not None and a.is_decode and len(a.items) <= graphs.max_batch_size:
             graph_steps += 1
-        la = fast.runner.forward_logits(a.items, a.is_decode)
-        lb = ref.runner.forward_logits(b.items, b.is_decode)
+        la = fast.runner.forward_logits(a.step_input(0))
+        lb = ref.runner.forward_logits(b.step_input(0))
         cos += torch.nn.functional.cosine_similarity(la, lb, dim=-1).tolist()
         agree += (la.argmax(-1) == lb.argmax(-1)).tolist()
         it = iter((la if follow == "fast" else lb).argmax(-1).tolist())
@@ -53,3 +57,21 @@ def lockstep(fast, ref, prompts: list[list[int]], max_tokens: int, follow: str =
     assert not fast.has_unfinished()
     assert fast.pool.num_free == fast.pool.capacity and ref.pool.num_free == ref.pool.capacity
     return Lockstep(torch.tensor(cos), sum(agree) / len(agree), graph_steps)
+
+
+def run_recording_logits(llm, prompt_ids, params):
+    """Drive the engine step by step, keeping every sampled row's logits by (request, position)."""
+    engine = llm.engine
+    seqs = [engine.add_request(p, params) for p in prompt_ids]
+    rows = {}
+    while engine.has_unfinished():
+        out = engine.scheduler.schedule()
+        logits = engine.runner.forward_logits(out.step_input(0))
+        sampling = [it for it in out.items if it.samples]
+        for it, row in zip(sampling, logits):
+            rows[(it.seq.request_id, it.start + it.num_tokens - 1)] = row.clone()
+        tokens = iter(logits.argmax(-1).tolist())
+        sampled = [next(tokens) if it.samples else None for it in out.items]
+        engine._count(out)
+        engine.scheduler.update(out, sampled)
+    return seqs, rows

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
 WORKER_FLAG = "--interpreter-worker"
 
 
@@ -35,7 +36,7 @@ def run_worker(test_file: str, inputs, workdir: Path, seed: int, timeout: float 
     src, dst = workdir / "in.pt", workdir / "out.pt"
     torch.save(inputs, src)
     env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+               PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.run([sys.executable, test_file, WORKER_FLAG, str(src), str(dst)], env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"interpreter worker failed (seed {seed}):\n{proc.stdout}\n{proc.stderr[-4000:]}"

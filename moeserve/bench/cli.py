@@ -14,18 +14,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
-import shlex
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-from moeserve.cli import add_config_args, overrides_from_args
-from moeserve.config import EngineConfig, load_config
+from moeserve.args import add_config_args
+from moeserve.bench.common import apply_quick, base_result, output_dir, resolve_config, say
+from moeserve.config import EngineConfig
 
-GPU_PRESET = Path(__file__).resolve().parent.parent / "presets" / "bench-gpu.yaml"
-CPU_DEFAULTS = {"model": "tiny", "bench.prompt_len": 128, "bench.output_len": 32, "bench.concurrency": [1, 4],
-                "bench.runs": 2, "bench.warmup_runs": 1}
 EXTERNAL_MODES = {"online": ("moeserve.bench.online", "online load generator against an OpenAI-compatible server"),
                   "startup": ("moeserve.bench.startup", "cold and warm engine start-up times"),
                   "vllm-plugin": ("moeserve.bench.vllm_dummy",
@@ -33,12 +29,6 @@ EXTERNAL_MODES = {"online": ("moeserve.bench.online", "online load generator aga
 VLLM_FINISH_MARGIN_S = 20.0
 VLLM_MIN_S = 120.0  # below this no vLLM engine gets ready (a warm start takes about that)
 VLLM_RUN_ALLOWANCE_S = 1200.0
-
-
-def _say(t0: float):
-    def log(msg: str) -> None:
-        print(f"[bench {time.monotonic() - t0:6.1f}s] {msg}", flush=True)
-    return log
 
 
 # --- arguments -------------------------------------------------------------------------------------
@@ -117,60 +107,6 @@ def _register_external(modes, mode: str, module: str, help_text: str) -> None:
 def _refuse(why: str) -> int:
     print(f"error: {why}", file=sys.stderr)
     return 2
-
-
-# --- configuration ---------------------------------------------------------------------------------
-
-def resolve_config(args) -> tuple[EngineConfig, str]:
-    """The run's config and a sentence saying where it came from."""
-    user = overrides_from_args(args)
-    if args.config or "model" in user:
-        return load_config(args.config, user), f"config from {'--config ' + args.config if args.config else '--model'}"
-    import torch
-    if torch.cuda.is_available():
-        cfg = load_config(GPU_PRESET, user)
-        return cfg, (f"no --config or --model and a CUDA GPU is here: the embedded GPU benchmark "
-                     f"({GPU_PRESET.name}: {cfg.model}, {cfg.load_format} weights, {cfg.dtype}, prompt "
-                     f"{cfg.bench.prompt_len}, output {cfg.bench.output_len}, concurrency "
-                     f"{' '.join(map(str, cfg.bench.concurrency))})")
-    cfg = load_config(None, {**CPU_DEFAULTS, **user})
-    return cfg, (f"no --config or --model and no GPU: the tiny preset on CPU with torch backends, lengths "
-                 f"shortened for CPU (prompt {cfg.bench.prompt_len}, output {cfg.bench.output_len}, concurrency "
-                 f"{' '.join(map(str, cfg.bench.concurrency))}, {cfg.bench.runs} runs)")
-
-
-def apply_quick(cfg: EngineConfig) -> None:
-    cs = sorted(set(cfg.bench.concurrency))
-    cfg.bench.concurrency = sorted({cs[0], cs[-1]})
-    cfg.bench.runs = 1
-    cfg.bench.warmup_runs = 1
-
-
-def output_dir(cfg: EngineConfig, explicit: str | None) -> Path:
-    if explicit:
-        return Path(explicit)
-    return Path(cfg.bench.output_dir) / datetime.now().strftime("%Y%m%d-%H%M%S")
-
-
-def base_result(kind: str, cfg: EngineConfig, choice: str) -> tuple:
-    """The fields every result has, and the model source, architecture, device and dtype they describe
-    (resolved the way the engine resolves them)."""
-    import moeserve
-    from moeserve.config import resolve_model_source
-    from moeserve.engine.runner import resolve_dtype
-    from moeserve.hardware import probe, resolve_device
-    from moeserve.models import arch_from_hf
-    source = resolve_model_source(cfg.model, cfg.weights_dir)
-    arch = arch_from_hf(source.config)
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, arch.torch_dtype, device)
-    env = dict(probe().to_dict(), device=str(device))
-    result = {"kind": kind, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "command": shlex.join(["moeserve"] + sys.argv[1:]) if sys.argv else "moeserve",
-              "moeserve_version": moeserve.__version__, "environment": env, "config": cfg.model_dump(),
-              "model": {"name": source.name, "model_type": arch.model_type, "dtype": str(dtype).removeprefix("torch.")},
-              "config_choice": choice, "engines": []}
-    return result, source, arch, device, dtype
 
 
 # --- the offline benchmark -------------------------------------------------------------------------
@@ -281,7 +217,7 @@ def _merge(result: dict, others: list[tuple[str, dict]], log) -> None:
 
 def run_offline(args) -> int:
     t0 = time.monotonic()
-    log = _say(t0)
+    log = say(t0)
     cfg, choice = resolve_config(args)
     if args.quick:
         apply_quick(cfg)

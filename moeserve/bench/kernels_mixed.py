@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.bench.kernels import _flashinfer, attention_reference, attention_traffic, fi_prefill, paged_inputs
+from moeserve.bench.kernel_cases import _flashinfer, attention_reference, attention_traffic, fi_prefill, paged_inputs
 
 MIXED_KERNELS = (  # (name, needs)
     ("flashinfer mixed: one prefill plan (fa3)", "sm90"),

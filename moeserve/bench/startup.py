@@ -38,7 +38,7 @@ MIN_MODE_S = 30.0
 
 def add_args(p: argparse.ArgumentParser) -> None:
     if not any("--config" in a.option_strings for a in p._actions):
-        from moeserve.cli import add_config_args
+        from moeserve.args import add_config_args
         add_config_args(p)
     g = p.add_argument_group("startup bench")
     g.add_argument("--kernel-cache", metavar="DIR", help="kernel cache from `moeserve precompile` for the cache mode "
@@ -157,7 +157,7 @@ def _check_kernel_cache(path: str | None) -> str | None:
     if not path:
         return "no kernel cache: give --kernel-cache DIR (made by `moeserve precompile`) or set kernel_cache_dir"
     from moeserve.hardware import probe
-    from moeserve.kernels.layout import KernelCacheError, check_compatible, flashinfer_git_version, \
+    from moeserve.kernel_cache.layout import KernelCacheError, check_compatible, flashinfer_git_version, \
         flashinfer_version, read_manifest
     try:
         manifest = read_manifest(Path(path).expanduser())
@@ -194,11 +194,8 @@ def _write(result: dict, out_dir: Path, final: bool) -> None:
 
 def run(args) -> int:
     import moeserve
-    from moeserve.cli import config_from_args
-    from moeserve.config import resolve_model_source
-    from moeserve.engine.runner import resolve_dtype
-    from moeserve.hardware import probe, resolve_device
-    from moeserve.models import arch_from_hf
+    from moeserve.args import config_from_args
+    from moeserve.plan import resolve_plan
 
     cfg = config_from_args(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -207,11 +204,9 @@ def run(args) -> int:
         raise ValueError(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
     if args.skip_vllm:
         modes = [m for m in modes if not m.startswith("vllm")]
-    hw = probe()
-    source = resolve_model_source(cfg.model, cfg.weights_dir)
-    arch = arch_from_hf(source.config)
-    device = resolve_device(cfg.device)
-    dtype = str(resolve_dtype(cfg.dtype, arch.torch_dtype, device)).removeprefix("torch.")
+    plan = resolve_plan(cfg, with_backends=False)
+    hw, source, arch = plan.hardware, plan.source, plan.arch
+    dtype = str(plan.dtype).removeprefix("torch.")
     ids = prompt_ids(args.prompt_len, arch.vocab_size)
     kernel_cache = args.kernel_cache or cfg.kernel_cache_dir
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")

@@ -4,7 +4,7 @@ Starts moeserve's ``LLMEngine`` or vLLM's ``LLM`` in this fresh process, then se
 token-id prompt, one output token). Times are seconds since this module began executing: ``import_seconds``
 (moeserve/torch or vLLM imported), ``ready_seconds`` (engine constructed), ``first_token_seconds`` (the
 request's token back); ``ttft_seconds`` is the request alone. For moeserve it also records every
-FlashInfer module load (``moeserve.kernels.jit_events``): which compiled and for how long.
+FlashInfer module load (``moeserve.kernel_cache.jit_events``): which compiled and for how long.
 
 The state file is rewritten at each phase (``status``: importing, starting, ready, done, failed), so the
 parent keeps what was measured when it has to stop a start that takes too long.

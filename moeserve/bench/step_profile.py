@@ -79,7 +79,7 @@ def profile_decode(engine, concurrency: int, prompt_len: int, steps: int, seed: 
 
 
 def main(argv=None) -> int:
-    from moeserve.cli import add_config_args, config_from_args
+    from moeserve.args import add_config_args, config_from_args
     from moeserve.engine.engine import LLMEngine
     p = argparse.ArgumentParser(prog="python -m moeserve.bench.step_profile", description=__doc__.split("\n")[0])
     add_config_args(p)

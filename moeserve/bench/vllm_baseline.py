@@ -145,7 +145,7 @@ import os
 
 if os.environ.get("MOESERVE_VLLM_KERNEL_CACHE"):
     try:
-        from moeserve.kernels import jit_hook, use_kernel_cache
+        from moeserve.kernel_cache import jit_hook, use_kernel_cache
         use_kernel_cache(os.environ["MOESERVE_VLLM_KERNEL_CACHE"], None)
         jit_hook.install()
     except Exception as e:

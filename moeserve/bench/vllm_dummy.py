@@ -14,7 +14,7 @@ one of its processes, and it replaces the dummy initializer with :func:`init_lik
 
 Not covered: layers vLLM quantises online (``quantization: fp8`` on a high-precision checkpoint) are drawn by
 ``initialize_single_dummy_weight``, which keeps vLLM's rule. Block-FP8 checkpoints (a ``config.json`` with
-``quantization_config``, as ``moeserve.quant.export.write_fp8_config`` writes) are covered.
+``quantization_config``, as ``moeserve.tools.fp8_export.write_fp8_config`` writes) are covered.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moeserve.engine.scheduler import ScheduledSeq
+from moeserve.engine.step import ScheduledRequest
 from moeserve.ops.attention import AttentionInputs
 
 
@@ -37,7 +37,7 @@ class BatchBuilder:
         self.pin = device.type == "cuda"
         self.dev = torch.zeros(cap, dtype=torch.int32, device=device) if self.pin else None
 
-    def build(self, items: list[ScheduledSeq], pad_to: int | None = None,
+    def build(self, items: list[ScheduledRequest], pad_to: int | None = None,
               prev_tokens: torch.Tensor | None = None) -> StepBatch:
         """``prev_tokens``: the previous step's sampled tokens on the device, for in-flight inputs."""
         if all(it.num_tokens == 1 for it in items):
@@ -46,21 +46,19 @@ class BatchBuilder:
             fields = self._chunk_fields(items)
         return self._finish(items, fields, pad_to, prev_tokens)
 
-    def _single_token_fields(self, items: list[ScheduledSeq]):
+    def _single_token_fields(self, items: list[ScheduledRequest]):
         """Decode steps: one token per request, built with plain lists (cheaper than numpy at this size)."""
         ps = self.page_size
         ids, pos, slots, qo, kvp, indices, last, fix_dst, fix_src = [], [], [], [0], [0], [], [], [], []
         for b, it in enumerate(items):
-            s, p = it.seq, it.start
-            if p < s.num_resolved:
-                ids.append(s.token_slice(p, p + 1)[0])
-            else:
-                ids.append(0)
+            p = it.start
+            ids.append(it.token_ids[0])
+            if it.inflight_row >= 0:
                 fix_dst.append(b)
-                fix_src.append(s.last_row)
+                fix_src.append(it.inflight_row)
             pos.append(p)
             npages = p // ps + 1
-            pages = s.pages[:npages]
+            pages = it.pages[:npages]
             slots.append(pages[-1] * ps + p % ps)
             qo.append(b + 1)
             kvp.append(kvp[-1] + npages)
@@ -69,24 +67,21 @@ class BatchBuilder:
         logit_idx = [b for b, it in enumerate(items) if it.samples]
         return ids, pos, slots, list(range(len(items))), qo, kvp, last, indices, logit_idx, fix_dst, fix_src
 
-    def _chunk_fields(self, items: list[ScheduledSeq]):
+    def _chunk_fields(self, items: list[ScheduledRequest]):
         ps = self.page_size
         ids, pos, slots, bidx, qo, kvp, indices, last, logit_idx = [], [], [], [], [0], [0], [], [], []
         fix_dst, fix_src = [], []
         for b, it in enumerate(items):
-            s, start, n = it.seq, it.start, it.num_tokens
+            start, n = it.start, it.num_tokens
             end = start + n
             p = np.arange(start, end, dtype=np.int64)
-            known = s.token_slice(start, min(end, s.num_resolved))
-            if len(known) < n:  # the last token is in flight (only ever one, and only the last)
-                assert len(known) == n - 1, f"{s!r}: more than one in-flight token in a step"
-                known = known + [0]
+            if it.inflight_row >= 0:  # the last token is in flight (only ever one, and only the last)
                 fix_dst.append(qo[-1] + n - 1)
-                fix_src.append(s.last_row)
-            ids.append(np.asarray(known, dtype=np.int64))
+                fix_src.append(it.inflight_row)
+            ids.append(np.asarray(it.token_ids, dtype=np.int64))
             pos.append(p)
             npages = -(-end // ps)
-            pages = np.asarray(s.pages[:npages], dtype=np.int64)
+            pages = np.asarray(it.pages[:npages], dtype=np.int64)
             slots.append(pages[p // ps] * ps + p % ps)
             bidx.append(np.full(n, b, dtype=np.int64))
             qo.append(qo[-1] + n)
@@ -134,7 +129,7 @@ class BatchBuilder:
         t = sizes[0]
         attn = AttentionInputs(
             num_seqs=len(qo) - 1, num_tokens=t, query_lens=query_lens, seq_lens=seq_lens,
-            is_decode=all(q == 1 for q in query_lens) and all(it.start > 0 for it in items),
+            is_decode=all(it.is_decode for it in items),
             qo_indptr_host=h[4], kv_indptr_host=h[5], kv_indices_host=h[7], kv_last_page_len_host=h[6],
             qo_indptr=d[4], kv_indptr=d[5], kv_indices=d[7], kv_last_page_len=d[6],
             slot_mapping=d[2], batch_indices=d[3], token_positions=d[1],

@@ -17,22 +17,19 @@ from pathlib import Path
 
 import torch
 
-from moeserve.config import EngineConfig, resolve_model_source
+from moeserve.config import EngineConfig
 from moeserve.engine.kv_cache import PagePool
 from moeserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from moeserve.engine.requests import RequestError, RequestLimits, validate_request
 from moeserve.engine.runner import ModelRunner
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.engine.scheduler import Scheduler
 from moeserve.engine.sequence import Sequence
-from moeserve.hardware import probe
+from moeserve.plan import resolve_plan
 
 log = logging.getLogger("moeserve")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-class RequestError(ValueError):
-    """A request the engine refuses; the message names the parameter and the problem."""
 
 
 def load_tokenizer(config_dir: str | None):
@@ -46,11 +43,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, capture_graphs: bool = True):
         t0 = time.perf_counter()
         self.config = config
-        self.source = resolve_model_source(config.model, config.weights_dir)
-        self.hardware = probe()
-        self.runner = ModelRunner(config, self.source, self.hardware)
-        self.arch = self.runner.arch
-        self.max_model_len = self.runner.max_model_len
+        self.plan = resolve_plan(config)
+        self.source, self.hardware = self.plan.source, self.plan.hardware
+        self.runner = ModelRunner(self.plan)
+        self.arch = self.plan.arch
+        self.max_model_len = self.plan.max_model_len
         self.pool = PagePool(self.runner.kv.num_pages, config.page_size)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.tokenizer = load_tokenizer(self.source.config_dir)
@@ -58,10 +55,13 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
+        self.limits = RequestLimits(self.arch.vocab_size, self.max_model_len, self.tokenizer is not None)
         self.sequences: dict[str, Sequence] = {}
         self.async_scheduling = config.async_scheduling
         self._inflight = None  # the launched step whose tokens have not been received
         self._ids = itertools.count()
+        self._step_ids = itertools.count()
+        self._finished_ids: list[str] = []  # requests gone since the last step, for the runner to forget
         self.stats = {"steps": 0, "mixed_steps": 0, "prefill_chunks": 0, "decode_tokens": 0, "prefill_tokens": 0}
         if capture_graphs:
             self.runner.capture_graphs(config.graph_batch_sizes())
@@ -70,7 +70,7 @@ class LLMEngine:
                  self.ready_seconds, self.source.name, self.runner.device, str(self.runner.dtype).removeprefix("torch."),
                  self.runner.backend_names, self.pool.capacity, self.pool.page_size)
         if self.runner.device.type == "cuda":
-            from moeserve.kernels import startup_summary
+            from moeserve.kernel_cache import startup_summary
             log.info("%s", startup_summary())
 
     # --- requests ------------------------------------------------------------------------------
@@ -83,21 +83,7 @@ class LLMEngine:
         return self.tokenizer.encode(prompt)
 
     def validate(self, prompt_token_ids, params: SamplingParams) -> None:
-        if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
-            raise RequestError("prompt: must hold at least one token")
-        vocab = self.arch.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise RequestError(f"prompt_token_ids: every token id must be an integer in [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise RequestError(
-                f"prompt: {len(prompt_token_ids)} tokens do not fit: max_model_len is {self.max_model_len} "
-                "and at least one token must be generated")
-        try:
-            params.validate()
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        if params.stop and self.tokenizer is None:
-            raise RequestError("stop: stop strings need a tokenizer; use stop_token_ids with this model")
+        validate_request(prompt_token_ids, params, self.limits)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:
@@ -116,6 +102,7 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return False
         self.scheduler.abort(seq)
+        self._finished_ids.append(request_id)
         return True
 
     def has_unfinished(self) -> bool:
@@ -128,7 +115,9 @@ class LLMEngine:
         out = self.scheduler.schedule()
         prev = self._inflight
         if out.items:
-            launched = self.runner.launch(out.items, out.is_decode, prev[1] if prev is not None else None)
+            step = out.step_input(next(self._step_ids), self._finished_ids)
+            self._finished_ids = []
+            launched = self.runner.launch(step)
             self.scheduler.advance(out)
             self._count(out)
             self._inflight = (out, launched)
@@ -139,20 +128,21 @@ class LLMEngine:
         return self._receive(*prev) if prev is not None else []
 
     def _receive(self, out, launched) -> list[Sequence]:
-        sampled = self.runner.wait(launched)
-        touched = self.scheduler.receive(out, sampled)
+        result = self.runner.wait(launched)
+        touched = self.scheduler.receive(out, result.sampled)
         for seq in touched:
             if seq.params.stop and not seq.is_finished:
                 self._check_stop_strings(seq)
         for seq in touched:
             if seq.is_finished:
                 self.sequences.pop(seq.request_id, None)
+                self._finished_ids.append(seq.request_id)
         return touched
 
     def _count(self, out) -> None:
         st = self.stats
         st["steps"] += 1
-        decodes = [it for it in out.items if it.num_tokens == 1 and it.start > 0]
+        decodes = [it for it in out.items if it.is_decode]
         st["decode_tokens"] += len(decodes)
         st["prefill_tokens"] += out.num_tokens - len(decodes)
         st["prefill_chunks"] += sum(1 for it in out.items if not it.samples)

@@ -5,7 +5,8 @@ import dataclasses
 from typing import Any
 
 from moeserve.config import EngineConfig, make_config
-from moeserve.engine.engine import LLMEngine, RequestError
+from moeserve.engine.engine import LLMEngine
+from moeserve.engine.requests import RequestError
 from moeserve.engine.outputs import RequestOutput
 from moeserve.engine.sampling_params import SamplingParams
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
 
 @dataclass
 class SamplingParams:
@@ -24,6 +26,9 @@ class SamplingParams:
     ignore_eos: bool = False
     detokenize: bool = True
     stop: list[str] = field(default_factory=list)
+    # top-N log-probabilities of each sampled token / of each prompt token (vLLM's), N <= MAX_LOGPROBS
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +62,10 @@ class SamplingParams:
             bad("stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", f"must be non-empty strings, got {self.stop!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
+                bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
 
     @property
     def greedy(self) -> bool:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from moeserve.engine.kv_cache import PagePool
 from moeserve.engine.sequence import Sequence, Status
+from moeserve.engine.step import ScheduledRequest, StepInput, is_decode
 
 
 @dataclass
@@ -36,6 +37,22 @@ class ScheduledSeq:
     def __post_init__(self):
         self.samples = self.start + self.num_tokens == self.seq.num_tokens
 
+    @property
+    def is_decode(self) -> bool:
+        return is_decode(self.start, self.num_tokens)
+
+    def request(self) -> ScheduledRequest:
+        """This part of the step as plain data (read when the step is scheduled, before ``advance``)."""
+        s, start, end = self.seq, self.start, self.start + self.num_tokens
+        ids = s.token_slice(start, min(end, s.num_resolved))
+        inflight_row = -1
+        if len(ids) < self.num_tokens:  # the last token is in flight (only ever one, and only the last)
+            assert len(ids) == self.num_tokens - 1, f"{s!r}: more than one in-flight token in a step"
+            ids = ids + [0]
+            inflight_row = s.last_row
+        return ScheduledRequest(s.request_id, start, ids, list(s.pages), self.samples,
+                                inflight_row, s.sampling_row() if self.samples else None)
+
 
 @dataclass
 class SchedulerOutput:
@@ -48,11 +65,14 @@ class SchedulerOutput:
 
     @property
     def is_decode(self) -> bool:
-        return bool(self.items) and all(i.num_tokens == 1 and i.start > 0 for i in self.items)
+        return bool(self.items) and all(i.is_decode for i in self.items)
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(i.num_tokens for i in self.items if not (i.num_tokens == 1 and i.start > 0))
+        return sum(i.num_tokens for i in self.items if not i.is_decode)
+
+    def step_input(self, step_id: int, finished_request_ids: list[str] | None = None) -> StepInput:
+        return StepInput(step_id, [i.request() for i in self.items], list(finished_request_ids or []))
 
 
 class Scheduler:
@@ -142,11 +162,14 @@ class Scheduler:
 
     def advance(self, out: SchedulerOutput) -> None:
         """The step of ``out`` is launched: its tokens count as computed; each sampling request has one more
-        token in flight."""
+        token in flight, at its row of the step's sampled tokens (sampling requests in step order)."""
+        row = 0
         for item in out.items:
             item.seq.num_computed = item.start + item.num_tokens
             if item.samples:
                 item.seq.num_inflight += 1
+                item.seq.last_row = row
+                row += 1
 
     def receive(self, out: SchedulerOutput, sampled: list[int | None], now: float | None = None) -> list[Sequence]:
         """The tokens of the step of ``out`` arrive (``None`` where a request did not sample); returns the

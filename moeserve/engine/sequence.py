@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from moeserve.engine.sampling_params import SamplingParams
+from moeserve.engine.step import SamplingRow
 
 
 class Status(enum.Enum):
@@ -51,7 +52,6 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.timing = Timing()
-        self.generator = None  # a torch.Generator for seeded sampling, made on first use
         self.num_inflight = 0  # sampled tokens not yet on the host
         self.last_row = -1  # row of the newest in-flight token in its step's sampled tokens
 
@@ -97,6 +97,12 @@ class Sequence:
         if start >= p:
             return self.output_token_ids[start - p:end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    def sampling_row(self) -> SamplingRow:
+        """What the sampler needs for this request's next token."""
+        p = self.params
+        return SamplingRow(p.temperature, p.effective_top_k, p.top_p, p.min_p, p.seed, self.num_generated,
+                           p.logprobs)
 
     @property
     def is_finished(self) -> bool:

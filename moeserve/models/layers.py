@@ -18,6 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moeserve.models.arch import ArchConfig
+from moeserve.ops.interfaces import (ActivationBackend, AttentionBackend, LinearBackend, MoEBackend, NormBackend,
+                                     RopeBackend, RoutingBackend)
 from moeserve.ops.moe.routing import select_experts
 from moeserve.quant.fp8 import FP8_DTYPE, block_scale_shape
 from moeserve.quant.moe_ref import experts_fp8_reference
@@ -27,13 +29,13 @@ from moeserve.quant.moe_ref import experts_fp8_reference
 class Ops:
     """The backend instances one engine uses; ``attention`` is set once the KV cache exists."""
 
-    linear: object
-    norm: object
-    activation: object
-    moe: object
-    rope_cls: type
-    routing: object = None  # installs each MoE block's router (moeserve.ops.moe.routing)
-    attention: object = None
+    linear: LinearBackend
+    norm: NormBackend
+    activation: ActivationBackend
+    moe: MoEBackend
+    rope_cls: type[RopeBackend]
+    routing: RoutingBackend | None = None  # installs each MoE block's router (moeserve.ops.moe.routing)
+    attention: AttentionBackend | None = None
     names: dict[str, str] = field(default_factory=dict)
     quantization: str = "none"  # weight format of the quantisable layers: none | fp8
 
@@ -231,7 +233,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids, gate_logit = self.route(x)
-        if self.w13_scale_inv is not None and not getattr(self.ops.moe, "serves_fp8", False):
+        if self.w13_scale_inv is not None and not self.ops.moe.serves_fp8:
             out = experts_fp8_reference(x, weights, ids, self)
         else:
             out = self.ops.moe.experts(x, weights, ids, self)

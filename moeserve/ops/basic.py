@@ -4,12 +4,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moeserve.ops import flashinfer_env  # noqa: F401  (sets FlashInfer's environment before its import)
+from moeserve.kernel_cache import flashinfer_env  # noqa: F401  (sets FlashInfer's environment before its import)
+from moeserve.kernel_cache.modules import KernelModule, Target
+from moeserve.ops.interfaces import ActivationBackend, NormBackend, RopeBackend
 
 
 # --- RMSNorm ------------------------------------------------------------------------------------
 
-class TorchNorm:
+class TorchNorm(NormBackend):
     """RMSNorm as Hugging Face computes it: in float32, cast back, then scaled by the weight."""
 
     name = "torch"
@@ -26,7 +28,7 @@ class TorchNorm:
         return self.rmsnorm(residual, weight, eps), residual
 
 
-class FlashInferNorm:
+class FlashInferNorm(NormBackend):
     name = "flashinfer"
 
     def __init__(self):
@@ -57,7 +59,7 @@ def rope_cos_sin_cache(rotary_dim: int, max_positions: int, theta: float, scalin
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
 
-class TorchRope:
+class TorchRope(RopeBackend):
     """Neox-style (rotate-half) RoPE over the first ``rotary_dim`` dims of each head, as HF applies it."""
 
     name = "torch"
@@ -88,7 +90,7 @@ class TorchRope:
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
 
-class FlashInferRope:
+class FlashInferRope(RopeBackend):
     name = "flashinfer"
 
     def __init__(self, head_dim: int, rotary_dim: int, cos_sin_cache: torch.Tensor):
@@ -104,7 +106,7 @@ class FlashInferRope:
 
 # --- SiLU and mul ------------------------------------------------------------------------------
 
-class TorchActivation:
+class TorchActivation(ActivationBackend):
     name = "torch"
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,7 +115,7 @@ class TorchActivation:
         return F.silu(x[..., :d]) * x[..., d:]
 
 
-class FlashInferActivation:
+class FlashInferActivation(ActivationBackend):
     name = "flashinfer"
 
     def __init__(self):
@@ -122,3 +124,18 @@ class FlashInferActivation:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._fn(x)
+
+
+# --- the FlashInfer modules these backends load (for ahead-of-time builds) ------------------------------
+
+def norm_modules(t: Target) -> list[KernelModule]:
+    return [KernelModule("norm", "norm", "flashinfer", "RMSNorm (CUDA)", "flashinfer.jit.norm:gen_norm_module", weight=15)]
+
+
+def rope_modules(t: Target) -> list[KernelModule]:
+    return [KernelModule("rope", "rope", "flashinfer", "RoPE", "flashinfer.jit.rope:gen_rope_module", weight=15)]
+
+
+def activation_modules(t: Target) -> list[KernelModule]:
+    return [KernelModule("silu_and_mul", "activation", "flashinfer", "SiLU and mul",
+                         "flashinfer.jit.activation:gen_act_and_mul_module", ("silu",), weight=3)]

@@ -14,16 +14,14 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from moeserve.ops.interfaces import LinearBackend
 from moeserve.quant.fp8 import BLOCK, block_scale_shape, fp8_linear_reference
 
 log = logging.getLogger("moeserve")
 
 
-class TorchLinear:
+class TorchLinear(LinearBackend):
     name = "torch"
-
-    def __init__(self, device: torch.device, dtype: torch.dtype):
-        self.device = device
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
@@ -44,7 +42,7 @@ def fp8_gemm_shape_ok(n: int, k: int, weight_scale_shape: tuple[int, ...]) -> st
     return None
 
 
-class FlashInferFp8Linear:
+class FlashInferFp8Linear(LinearBackend):
     """``flashinfer.gemm.fp8_blockscale_gemm_sm90``: bf16 activations (quantised 1x128 inside the kernel) times
     e4m3 weights with 128x128 block scales, bf16 out. High-precision layers (router, gates) use torch.
 
@@ -58,7 +56,7 @@ class FlashInferFp8Linear:
         if dtype != torch.bfloat16:
             raise ValueError(f"linear backend 'flashinfer' (fp8_blockscale_gemm_sm90) writes bfloat16 output; "
                              f"dtype is {str(dtype).removeprefix('torch.')}")
-        from moeserve.ops import flashinfer_env  # noqa: F401
+        from moeserve.kernel_cache import flashinfer_env  # noqa: F401
         from flashinfer.gemm import fp8_blockscale_gemm_sm90
         self._gemm = fp8_blockscale_gemm_sm90
         self.device = device
@@ -85,3 +83,12 @@ class FlashInferFp8Linear:
         if bias is not None:
             out = out + bias
         return out.to(x.dtype).reshape(*lead, n)
+
+
+def flashinfer_modules(t) -> list:
+    """The SM90 FP8 block-scale GEMM behind the FP8 linear backend (``t``: a ``kernel_cache.modules.Target``)."""
+    from moeserve.kernel_cache.modules import KernelModule
+    if t.arch.major != 9:
+        return []
+    return [KernelModule("fp8_gemm", "linear", "flashinfer", "FP8 block-scale GEMM (sm90)",
+                         "flashinfer.jit.gemm.fp8_blockscale:gen_fp8_blockscale_gemm_sm90_module", (False,), weight=70)]

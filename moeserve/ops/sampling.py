@@ -4,7 +4,8 @@ Both samplers take float32 logits ``[B, V]`` and a ``SamplingBatch`` with one ro
 request. Filters apply in vLLM's order: temperature, then top-k, then top-p, then min-p.
 
 Seeds: a request with a seed draws from its own random stream, so its tokens do not depend on which
-other requests share the batch. FlashInfer's kernels take one Philox seed per launch and derive each
+other requests share the batch. The sampler owns that state: the torch sampler keeps one generator per
+seeded request (by the request's key, until ``release``). FlashInfer's kernels take one Philox seed per launch and derive each
 row's stream from the row index, so the FlashInfer sampler launches seeded rows one at a time (with the
 request's seed and its token count as the Philox offset) and all unseeded rows together.
 """
@@ -14,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.ops import flashinfer_env  # noqa: F401
+from moeserve.kernel_cache import flashinfer_env  # noqa: F401
+from moeserve.kernel_cache.modules import KernelModule, Target
+from moeserve.ops.interfaces import SamplingBackend
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -35,7 +38,7 @@ class SamplingBatch:
     greedy: list[bool]
     seeds: list[int | None]
     steps: list[int]  # tokens generated so far by each request: the offset of its seeded stream
-    generators: list[torch.Generator | None]  # per-request torch generators (torch sampler, seeded rows)
+    keys: list[str]  # each row's request: the key of its seeded random stream
 
     # per row, known on the host: (uses top-k, uses top-p, uses min-p); None: read them from the tensors,
     # which waits for the GPU
@@ -77,8 +80,9 @@ def _filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-class TorchSampler:
-    """Reference sampler: sort-based filters and ``torch.multinomial``."""
+class TorchSampler(SamplingBackend):
+    """Reference sampler: sort-based filters and ``torch.multinomial``; a seeded request draws from its own
+    generator, made from its seed on its first sampled token."""
 
     name = "torch"
 
@@ -86,11 +90,20 @@ class TorchSampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self._seeded: dict[str, torch.Generator] = {}
 
-    def make_generator(self, seed: int) -> torch.Generator:
-        g = torch.Generator(device=self.device)
-        g.manual_seed(seed)
+    def _generator(self, key: str, seed: int | None) -> torch.Generator:
+        if seed is None:
+            return self.generator
+        g = self._seeded.get(key)
+        if g is None:
+            g = self._seeded[key] = torch.Generator(device=self.device)
+            g.manual_seed(seed)
         return g
+
+    def release(self, keys) -> None:
+        for k in keys:
+            self._seeded.pop(k, None)
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         greedy_tokens = logits.argmax(dim=-1)
@@ -103,13 +116,14 @@ class TorchSampler:
         for i, is_greedy in enumerate(batch.greedy):
             if is_greedy:
                 continue
-            g = batch.generators[i] if batch.generators[i] is not None else self.generator
+            g = self._generator(batch.keys[i], batch.seeds[i])
             out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
         return out
 
 
-class FlashInferSampler:
-    """FlashInfer's sorting-free rejection samplers, with per-row top-k/top-p/min-p tensors."""
+class FlashInferSampler(SamplingBackend):
+    """FlashInfer's sorting-free rejection samplers, with per-row top-k/top-p/min-p tensors. A seeded row's
+    stream is Philox at (seed, offset 4 x tokens generated), so it keeps no state per request."""
 
     name = "flashinfer"
 
@@ -119,9 +133,6 @@ class FlashInferSampler:
         self.device = device
         self._rng = torch.Generator(device="cpu")
         self._rng.manual_seed(seed)
-
-    def make_generator(self, seed: int) -> None:
-        return None  # seeded rows use (seed, offset) Philox streams, not generators
 
     def _sample_rows(self, probs, top_k, top_p, min_p, seed: int, offset: int, uses) -> torch.Tensor:
         fs = self.fs
@@ -160,3 +171,9 @@ class FlashInferSampler:
                 out[sl] = self._sample_rows(probs[sl], batch.top_k[sl], batch.top_p[sl], batch.min_p[sl],
                                             batch.seeds[i], 4 * batch.steps[i], batch.uses([i])).to(out.dtype)
         return out
+
+
+def flashinfer_modules(t: Target) -> list[KernelModule]:
+    """The FlashInfer module the ``flashinfer`` sampler loads (for ahead-of-time builds)."""
+    return [KernelModule("sampling", "sampling", "flashinfer", "sampling (top-k/top-p/min-p)",
+                         "flashinfer.jit.sampling:gen_sampling_module", weight=50)]

@@ -36,7 +36,7 @@ def fp8_moe_reference(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
 
 def experts_fp8_reference(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer) -> torch.Tensor:
     """:func:`fp8_moe_reference` on a ``SparseMoE`` block's FP8 weights (``w13_order`` must be ``gate_up``)."""
-    if getattr(layer, "w13_order", "gate_up") != "gate_up":
+    if layer.w13_order != "gate_up":
         raise ValueError("the FP8 MoE reference needs w13 in gate_up order; this layer was prepared for another "
                          "backend")
     return fp8_moe_reference(x, layer.w13, layer.w13_scale_inv, layer.w2, layer.w2_scale_inv, topk_weights, topk_ids)

@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moeserve.engine.engine import RequestError
+from moeserve.engine.requests import RequestError, validate_request
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.server.async_engine import AsyncEngine, RequestStream, SubRequest
 from moeserve.server.protocol import (
@@ -219,32 +219,21 @@ def _make_job(state: ServerState, body: SamplingFields, prompts: list[list[int]]
     engine = state.engine
     if limit is not None and limit < 1:
         raise APIError.bad_param(limit_name, f"{limit_name}: must be a positive integer, got {limit}")
-    if body.n < 1:
-        raise APIError.bad_param("n", f"n: must be an integer >= 1, got {body.n}")
     if body.n * len(prompts) > state.async_engine.max_queue_len:
         raise APIError.bad_param("n", f"n: {body.n} choices x {len(prompts)} prompt(s) = {body.n * len(prompts)} "
                                       "sequences, more than the server queues at once "
                                       f"(server.max_queue_len {state.async_engine.max_queue_len})")
-    L = engine.max_model_len
     per_prompt = []
     for k, ids in enumerate(prompts):
         where = prompt_param if len(prompts) == 1 else f"{prompt_param}[{k}]"
-        P = len(ids)
-        if P == 0:
-            raise APIError.bad_param(prompt_param, f"{where}: the prompt is empty")
-        if P >= L:
-            raise APIError.bad_param(prompt_param, f"{where}: the prompt has {P} tokens but this model's maximum "
-                                     f"context length (max_model_len) is {L} tokens; at least one token must "
-                                     "be left for the output")
-        if limit is not None and P + limit > L:
-            raise APIError.bad_param(limit_name, f"{limit_name}: {limit} is too large: this model's maximum context "
-                                     f"length (max_model_len) is {L} tokens and the prompt has {P} tokens "
-                                     f"({P} + {limit} > {L})")
-        params = _sampling_params(body, limit if limit is not None else L - P)
+        room = max(engine.max_model_len - len(ids), 1)  # the default output limit: what is left of the context
+        params = _sampling_params(body, limit if limit is not None else room)
         try:
-            engine.validate(ids, params)
+            validate_request(ids, params, engine.limits, strict_max_tokens=True, where=where)
         except RequestError as e:
-            msg = str(e).replace("prompt_token_ids:", f"{where}:", 1).replace("prompt:", f"{where}:", 1)
+            msg = str(e)
+            if msg.startswith("max_tokens:"):
+                msg = limit_name + msg[len("max_tokens"):]
             raise APIError.from_message(msg, prompt_param) from None
         per_prompt.append(params)
     job_id = new_id(prefix)

@@ -18,7 +18,8 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from moeserve.engine.engine import LLMEngine, RequestError
+from moeserve.engine.engine import LLMEngine
+from moeserve.engine.requests import RequestError
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.server.metrics import ServerMetrics
 from moeserve.server.protocol import APIError

@@ -16,7 +16,7 @@ log = logging.getLogger("moeserve.server")
 
 
 def register(subparsers, name: str, help: str) -> None:
-    from moeserve.cli import add_config_args
+    from moeserve.args import add_config_args
 
     p = subparsers.add_parser(name, help=help, description="Serve the configured model over an OpenAI-compatible "
                               "HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).")
@@ -35,7 +35,7 @@ def register(subparsers, name: str, help: str) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from moeserve.cli import config_from_args
+    from moeserve.args import config_from_args
     from moeserve.config import ConfigError
 
     config = config_from_args(args)

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.engine.kv_cache import KVCache
-from moeserve.ops import flashinfer_env  # noqa: F401
+from moeserve.kernel_cache import flashinfer_env  # noqa: F401
+from moeserve.kernel_cache.modules import DECODE_GEN, PREFILL_GEN, KernelModule, Target, dtype_arg, short_dtype
 from moeserve.ops.attention import AttentionInputs
+from moeserve.ops.interfaces import AttentionBackend
+from moeserve.ops.kv_cache import KVCache
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -30,7 +32,7 @@ class _GraphBuffers:
     inputs: AttentionInputs  # device tensors here are the fixed buffers the graph reads
 
 
-class FlashInferAttention:
+class FlashInferAttention(AttentionBackend):
     name = "flashinfer"
     supports_graphs = True
 
@@ -111,3 +113,42 @@ class FlashInferAttention:
         g.inputs.token_positions.copy_(inp.token_positions, non_blocking=True)
         self.inp = g.inputs
         self.wrapper = g.wrapper
+
+
+# --- the FlashInfer modules this backend loads (for ahead-of-time builds) ------------------------------
+
+def _is_16bit(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float16, torch.bfloat16)
+
+
+def prefill_backend(t: Target) -> str:
+    """What FlashInfer's ``determine_attention_backend`` picks for moeserve's causal, mask-free, RoPE-free
+    prefill: FA3 on sm90 unless the KV cache is fp8 under a 16-bit query, FA2 elsewhere."""
+    fp8_kv_16bit_q = not _is_16bit(t.kv_dtype) and _is_16bit(t.dtype)
+    return "fa3" if t.arch.major == 9 and not fp8_kv_16bit_q else "fa2"
+
+
+def _attention_args(t: Target) -> tuple:
+    # q, kv, o dtypes, index dtype, head_dim_qk, head_dim_vo, pos_encoding_mode (none), use_sliding_window,
+    # use_logits_soft_cap
+    return (dtype_arg(t.dtype), dtype_arg(t.kv_dtype), dtype_arg(t.dtype), "torch.int32", t.head_dim, t.head_dim,
+            0, False, False)
+
+
+def flashinfer_modules(t: Target) -> list[KernelModule]:
+    """Paged prefill, decode (tensor-core decode reuses an FA2 prefill module when the GQA group is >= 4),
+    and the KV append kernel (``page``)."""
+    dt, hd = short_dtype(t.dtype), t.head_dim
+    backend = prefill_backend(t)
+    mods = [KernelModule("prefill", "attention", "flashinfer", f"paged prefill {backend} {dt} hd{hd}", PREFILL_GEN,
+                         (backend,) + _attention_args(t) + (False,), weight=60 if backend == "fa3" else 40)]
+    if t.num_heads // t.num_kv_heads >= 4:
+        if backend != "fa2":
+            mods.append(KernelModule("decode", "attention", "flashinfer", f"tensor-core decode (fa2 prefill) {dt} hd{hd}",
+                                     PREFILL_GEN, ("fa2",) + _attention_args(t) + (False,), weight=40))
+    else:
+        mods.append(KernelModule("decode", "attention", "flashinfer", f"decode {dt} hd{hd}", DECODE_GEN,
+                                 _attention_args(t), weight=10))
+    mods.append(KernelModule("page", "attention", "flashinfer", "paged KV append", "flashinfer.jit.page:gen_page_module",
+                             weight=5))
+    return mods

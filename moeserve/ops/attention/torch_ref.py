@@ -4,13 +4,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moeserve.engine.kv_cache import KVCache
+from moeserve.ops.kv_cache import KVCache
 from moeserve.ops.attention import AttentionInputs
+from moeserve.ops.interfaces import AttentionBackend
 
 
-class TorchAttention:
+class TorchAttention(AttentionBackend):
     name = "torch"
-    supports_graphs = False
 
     def __init__(self, kv_cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  device: torch.device, dtype: torch.dtype, **_):

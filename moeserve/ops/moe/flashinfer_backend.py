@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.ops import flashinfer_env  # noqa: F401
+from moeserve.kernel_cache import flashinfer_env  # noqa: F401
+from moeserve.kernel_cache.modules import KernelModule, Target
+from moeserve.ops.interfaces import MoEBackend
 from moeserve.quant.fp8 import BLOCK
 
 
@@ -39,7 +41,7 @@ def fp8_layout_problem(inter: int, hidden: int) -> str | None:
     return None
 
 
-class FlashInferMoE:
+class FlashInferMoE(MoEBackend):
     name = "flashinfer"
     serves_fp8 = True
 
@@ -50,7 +52,7 @@ class FlashInferMoE:
         self.dtype = dtype
 
     def prepare(self, layer) -> None:
-        scales = getattr(layer, "w13_scale_inv", None)
+        scales = layer.w13_scale_inv
         if scales is not None:
             inter, hidden = layer.w2.shape[2], layer.w2.shape[1]
             why = fp8_layout_problem(inter, hidden)
@@ -60,7 +62,7 @@ class FlashInferMoE:
                 why = "FlashInfer's FP8 block-scale MoE (use_deepseek_fp8_block_scale) runs on sm90 only"
             if why is not None:
                 raise ValueError(f"backends.moe: 'flashinfer': {why}; use backends.moe: triton")
-        if getattr(layer, "w13_order", "gate_up") == "gate_up":
+        if layer.w13_order == "gate_up":
             with torch.no_grad():
                 if scales is None:
                     w13_to_w31_(layer.w13.data)
@@ -72,7 +74,7 @@ class FlashInferMoE:
 
     @torch.compiler.disable  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer) -> torch.Tensor:
-        scales = getattr(layer, "w13_scale_inv", None)
+        scales = layer.w13_scale_inv
         if scales is not None:
             out = self._fn(x, topk_ids.to(torch.int32), topk_weights.to(torch.float32), layer.w13, layer.w2,
                            x.dtype, quant_scales=[scales, layer.w2_scale_inv], use_deepseek_fp8_block_scale=True)
@@ -80,3 +82,21 @@ class FlashInferMoE:
         out = self._fn(x, topk_ids.to(torch.int32), topk_weights.to(torch.float32), layer.w13, layer.w2,
                        x.dtype, quant_scales=[])
         return out[0]
+
+
+CUTLASS_MOE_GEN = {
+    (8, 9): "gen_cutlass_fused_moe_sm89_module", (9, 0): "gen_cutlass_fused_moe_sm90_module",
+    (10, 0): "gen_cutlass_fused_moe_sm100_module", (10, 3): "gen_cutlass_fused_moe_sm103_module",
+    (11, 0): "gen_cutlass_fused_moe_sm100_module", (12, 0): "gen_cutlass_fused_moe_sm120_module",
+    (12, 1): "gen_cutlass_fused_moe_sm120_module",
+}
+
+
+def flashinfer_modules(t: Target) -> list[KernelModule]:
+    """``cutlass_fused_moe``: one module per architecture family with every dtype in it, built the FAST_BUILD
+    way (see ``moeserve.tools.specs.gen_cutlass_fused_moe_fast_build``)."""
+    gen = CUTLASS_MOE_GEN.get(t.arch.capability)
+    if gen is None:
+        return []
+    return [KernelModule("fused_moe", "moe", "flashinfer", f"CUTLASS fused MoE ({t.arch.sm}, FAST_BUILD tiles)",
+                         "moeserve.tools.specs:gen_cutlass_fused_moe_fast_build", (gen,), weight=100)]

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moeserve.ops.interfaces import RoutingBackend
+
 log = logging.getLogger("moeserve")
 
 
@@ -140,7 +142,7 @@ class FusedDeepseekRouter:
     name = "flashinfer_fused_topk_deepseek"
 
     def __init__(self, cfg: RoutingConfig, num_experts: int, device: torch.device):
-        from moeserve.ops import flashinfer_env  # noqa: F401
+        from moeserve.kernel_cache import flashinfer_env  # noqa: F401
         from flashinfer.fused_moe import fused_topk_deepseek
         self._fn = fused_topk_deepseek
         self.cfg = cfg
@@ -188,19 +190,16 @@ def gpu_router(cfg: RoutingConfig, num_experts: int, device: torch.device):
     return TritonTopkRouter(cfg), TritonTopkRouter.name, None
 
 
-class TorchRouting:
+class TorchRouting(RoutingBackend):
     """The ``torch`` routing backend: every MoE layer routes through ``select_experts``."""
 
     name = "torch"
-
-    def __init__(self, device: torch.device, explicit: bool = False):
-        self.device = device
 
     def prepare(self, layer) -> None:
         layer.router, layer.routing_impl = None, "torch"
 
 
-class FusedRouting:
+class FusedRouting(RoutingBackend):
     """The ``fused`` routing backend: one fused top-k kernel per MoE layer (see ``gpu_router``).
 
     Chosen by ``auto``, a layer whose routing the kernels cannot compute keeps torch routing and the reason
@@ -209,11 +208,11 @@ class FusedRouting:
     name = "fused"
 
     def __init__(self, device: torch.device, explicit: bool = False):
-        self.device, self.explicit = torch.device(device), explicit
+        super().__init__(device, explicit)
         self._logged: set[tuple] = set()
 
     def prepare(self, layer) -> None:
-        from moeserve.ops.registry import BackendUnavailable
+        from moeserve.backends import BackendUnavailable
         cfg = layer.routing
         router, name, why = gpu_router(cfg, layer.num_experts, self.device)
         if router is None and self.explicit:
@@ -224,3 +223,16 @@ class FusedRouting:
         if key not in self._logged:
             self._logged.add(key)
             log.info("routing: %s routing runs %s%s", cfg.method, name, f" ({why})" if why else "")
+
+
+def flashinfer_modules(t) -> list:
+    """FlashInfer's fused DeepSeek-V3 top-k, which the fused routing backend installs when the model's
+    routing fits it (``fused_deepseek_unsupported`` decides). Softmax and Llama-4 routing run moeserve's Triton
+    kernel, which FlashInfer does not build. ``t`` is a ``moeserve.kernel_cache.modules.Target``."""
+    from moeserve.kernel_cache.modules import KernelModule
+    if t.routing is None or t.routing.method != "deepseek_v3":
+        return []
+    if fused_deepseek_unsupported(t.routing, t.num_experts, t.arch.capability) is not None:
+        return []
+    return [KernelModule("routing", "routing", "fused", "fused DeepSeek-V3 top-k routing",
+                         "flashinfer.jit.dsv3_optimizations:gen_dsv3_fused_routing_module", weight=10)]

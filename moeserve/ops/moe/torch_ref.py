@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moeserve.ops.interfaces import MoEBackend
+
 
 def torch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
@@ -25,14 +27,8 @@ def torch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return out
 
 
-class TorchMoE:
+class TorchMoE(MoEBackend):
     name = "torch"
-
-    def __init__(self, device: torch.device, dtype: torch.dtype):
-        self.device = device
-
-    def prepare(self, layer) -> None:
-        pass
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer) -> torch.Tensor:
         return torch_moe(x, layer.w13, layer.w2, topk_weights, topk_ids)

@@ -9,10 +9,12 @@ import logging
 
 import torch
 
+from moeserve.ops.interfaces import MoEBackend
+
 log = logging.getLogger("moeserve")
 
 
-class TritonMoE:
+class TritonMoE(MoEBackend):
     name = "triton"
     serves_fp8 = True
 
@@ -27,7 +29,7 @@ class TritonMoE:
 
     def prepare(self, layer) -> None:
         e, two_i, h = layer.w13.shape
-        fp8 = getattr(layer, "w13_scale_inv", None) is not None
+        fp8 = layer.w13_scale_inv is not None
         shape = (e, two_i // 2, h, fp8)
         if shape in self.untuned:
             return
@@ -43,7 +45,7 @@ class TritonMoE:
 
     @torch.compiler.disable  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer) -> torch.Tensor:
-        if getattr(layer, "w13_scale_inv", None) is not None:
+        if layer.w13_scale_inv is not None:
             return self._fp8.fused_moe_fp8(x, layer.w13, layer.w13_scale_inv, layer.w2, layer.w2_scale_inv,
                                            topk_weights, topk_ids)
         return self._kernels.fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids)

@@ -1,0 +1,137 @@
+"""The interface of each operator family: what the model and the runner call, and the capabilities a
+backend declares (class attributes, read directly; nothing is probed with ``getattr``).
+
+Every backend of ``moeserve.backends.SPECS`` subclasses the interface of its operator; a test checks it.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+
+class AttentionBackend(ABC):
+    """Paged attention over ``moeserve.ops.kv_cache.KVCache``: ``begin`` once per step (outside any CUDA graph),
+    then ``forward`` in every layer."""
+
+    name: ClassVar[str]
+    supports_graphs: ClassVar[bool] = False  # decode steps can be captured (init_graph / begin_graph)
+
+    @abstractmethod
+    def begin(self, inp) -> None:
+        """Plan the step described by ``inp`` (``moeserve.ops.attention.AttentionInputs``)."""
+
+    @abstractmethod
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Append ``k``/``v`` to the cache and attend: q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` -> ``[T, Hq, D]``."""
+
+    def init_graph(self, batch_size: int, max_pages_per_seq: int) -> None:
+        raise NotImplementedError(f"attention backend {self.name!r} cannot be captured in CUDA graphs")
+
+    def begin_graph(self, batch_size: int, inp) -> None:
+        raise NotImplementedError(f"attention backend {self.name!r} cannot be captured in CUDA graphs")
+
+
+class MoEBackend(ABC):
+    """The routed experts of a sparse MoE block."""
+
+    name: ClassVar[str]
+    serves_fp8: ClassVar[bool] = False  # runs block-FP8 experts itself (else the torch FP8 reference does)
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device, self.dtype = device, dtype
+
+    def prepare(self, layer) -> None:
+        """Once per MoE layer after its weights are loaded (re-layout, config lookup)."""
+
+    @abstractmethod
+    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer) -> torch.Tensor:
+        """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` for ``x`` ``[T, H]``."""
+
+
+class RoutingBackend(ABC):
+    """Installs each MoE layer's router (``layer.router``: a fused kernel, or None for torch routing)."""
+
+    name: ClassVar[str]
+
+    def __init__(self, device: torch.device, explicit: bool = False):
+        self.device, self.explicit = torch.device(device), explicit
+
+    @abstractmethod
+    def prepare(self, layer) -> None:
+        ...
+
+
+class LinearBackend(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device, self.dtype = device, dtype
+
+    @abstractmethod
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        ...
+
+    @abstractmethod
+    def linear_fp8(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        """e4m3 ``weight`` with float32 128x128 block scales."""
+
+
+class SamplingBackend(ABC):
+    """Picks one token per row of float32 logits ``[B, V]`` (``moeserve.ops.sampling.SamplingBatch``).
+
+    The sampler owns the random state: a seeded row draws from its request's own stream, kept under the
+    request's key until ``release`` drops it."""
+
+    name: ClassVar[str]
+
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+
+    @abstractmethod
+    def sample(self, logits: torch.Tensor, batch) -> torch.Tensor:
+        ...
+
+    def release(self, keys) -> None:
+        """Forget the random streams of these requests (they finished)."""
+
+
+class NormBackend(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        ...
+
+    @abstractmethod
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual + x`` becomes the new residual; returns (rmsnorm(new residual), new residual)."""
+
+
+class RopeBackend(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def __init__(self, head_dim: int, rotary_dim: int, cos_sin_cache: torch.Tensor):
+        ...
+
+    @abstractmethod
+    def apply(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+
+class ActivationBackend(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(x[..., :d]) * x[..., d:]``."""
+
+
+INTERFACES: dict[str, type] = {
+    "attention": AttentionBackend, "moe": MoEBackend, "routing": RoutingBackend, "linear": LinearBackend,
+    "sampling": SamplingBackend, "norm": NormBackend, "rope": RopeBackend, "activation": ActivationBackend,
+}

@@ -1,0 +1,232 @@
+"""The Triton top-k routing kernel (softmax and Llama-4 routing) against the torch reference.
+
+CPU: the kernel runs under Triton's interpreter in one subprocess. GPU (``-m gpu``): the real kernel at the
+routing shapes of Qwen1.5-MoE, Qwen3-MoE, Mixtral and Llama 4, on logits that are a column slice of a wider
+tensor (the router GEMM merged with the shared expert's gate), and inside a CUDA graph.
+
+Checks, on fresh random logits (the seed is printed on failure; ``MOESERVE_TEST_SEED`` replays one):
+- the chosen experts equal the reference's wherever the k-th and (k+1)-th logits differ by more than
+  ``TIE_GAP`` (closer ones may be ordered either way, by both implementations);
+- everywhere, each weight is the reference formula evaluated at the expert the kernel chose, to
+  ``RTOL``/``ATOL``, and the chosen experts are distinct.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moeserve.ops.moe.routing import RoutingConfig, llama4_topk, softmax_topk  # noqa: E402
+from triton_interpreter import is_worker, patch_for_numpy, run_worker  # noqa: E402
+
+SEED = int(os.environ.get("MOESERVE_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+RTOL, ATOL = 1e-5, 1e-7
+TIE_GAP = 1e-3
+
+# name: (T, E, k, method, renormalize, dtype, extra columns beside the logits)
+CPU_CASES = {
+    "qwen15-T5": (5, 60, 4, "softmax", False, torch.float32, 1),
+    "qwen3-T3-renorm": (3, 128, 8, "softmax", True, torch.float32, 0),
+    "mixtral-T9-bf16": (9, 8, 2, "softmax", True, torch.bfloat16, 0),
+    "llama4-T4": (4, 16, 1, "llama4", False, torch.float32, 0),
+    "k-equals-E": (2, 4, 4, "softmax", True, torch.float32, 0),
+    "T0": (0, 60, 4, "softmax", False, torch.float32, 1),
+}
+
+
+def reference(logits: torch.Tensor, method: str, k: int, renormalize: bool):
+    if method == "softmax":
+        return softmax_topk(logits, k, renormalize)
+    return llama4_topk(logits, k)
+
+
+def weights_at(logits: torch.Tensor, ids: torch.Tensor, method: str, renormalize: bool) -> torch.Tensor:
+    """The reference formula for the weights of the experts ``ids`` (float64)."""
+    x = logits.double()
+    if method == "llama4":
+        return torch.sigmoid(x.gather(1, ids.long()))
+    if renormalize:
+        return torch.softmax(x.gather(1, ids.long()), dim=-1)
+    return torch.softmax(x, dim=-1).gather(1, ids.long())
+
+
+def check(logits, weights, ids, method, k, renormalize):
+    logits, weights, ids = logits.cpu(), weights.cpu(), ids.cpu()
+    t = logits.shape[0]
+    assert weights.shape == ids.shape == (t, k) and weights.dtype == torch.float32 and ids.dtype == torch.int32
+    if t == 0:
+        return
+    assert bool(((ids >= 0) & (ids < logits.shape[1])).all()), f"seed {SEED}: expert id out of range"
+    assert bool((ids.sort(-1).values.diff(dim=-1) > 0).all()) if k > 1 else True, f"seed {SEED}: repeated expert"
+    torch.testing.assert_close(weights.double(), weights_at(logits, ids, method, renormalize), rtol=RTOL, atol=ATOL,
+                               msg=lambda m: f"seed {SEED}: {m}")
+    w_ref, ids_ref = reference(logits.float(), method, k, renormalize)
+    top = logits.float().sort(-1, descending=True).values
+    clear = (top[:, k - 1] - top[:, k] > TIE_GAP) if k < logits.shape[1] else torch.ones(t, dtype=torch.bool)
+    assert clear.float().mean() > 0.5, "the random logits should mostly have a clear k-th expert"
+    assert torch.equal(ids.sort(-1).values[clear], ids_ref.sort(-1).values[clear]), f"seed {SEED}: other experts"
+    if k > 1:  # the kernel orders its choice by logit, like torch.topk
+        first = clear & (top[:, 0] - top[:, 1] > TIE_GAP)
+        assert torch.equal(ids[first, 0], ids_ref[first, 0]), f"seed {SEED}: best expert not first"
+
+
+def make_full(T, E, dtype, extra, gen, device="cpu"):
+    """``[T, E + extra]`` random logits; ``[:, :E]`` of it is strided like the merged router GEMM's output."""
+    return (torch.randn(T, E + extra, generator=gen, device=device) * 2).to(dtype)
+
+
+def _interpreter_worker(in_path: str, out_path: str) -> None:
+    patch_for_numpy()
+    from moeserve.ops.moe.routing_triton import topk_route
+    inputs = torch.load(in_path)
+    out = {}
+    for name, (full, e, k, method, renorm) in inputs.items():
+        out[name] = topk_route(full[:, :e], method, k, renorm)
+    out["ties"] = topk_route(torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0]]), "softmax", 2, False)
+    torch.save(out, out_path)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    gen = torch.Generator().manual_seed(SEED)
+    inputs = {}
+    for name, (T, E, k, method, renorm, dtype, extra) in CPU_CASES.items():
+        inputs[name] = (make_full(T, E, dtype, extra, gen), E, k, method, renorm)
+    return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("route"), SEED, timeout=300)
+
+
+@pytest.mark.parametrize("name", list(CPU_CASES))
+def test_topk_route_interpreter(interpreted, name):
+    inputs, outputs = interpreted
+    full, e, k, method, renorm = inputs[name]
+    w, ids = outputs[name]
+    check(full[:, :e], w, ids, method, k, renorm)
+
+
+def test_equal_logits_choose_the_lowest_index_first(interpreted):
+    w, ids = interpreted[1]["ties"]
+    assert ids.tolist() == [[1, 2]]
+    p = torch.softmax(torch.tensor([1.0, 3.0, 3.0, 0.5, 3.0]), 0)
+    torch.testing.assert_close(w, p[[1, 2]][None], rtol=RTOL, atol=ATOL)
+
+
+def test_unsupported_routing_is_named():
+    from moeserve.ops.moe.routing_triton import topk_route, unsupported
+    assert unsupported("deepseek_v3", 64, 4) == "routing is deepseek_v3"
+    assert "top_k 9 is outside 1..8" in unsupported("softmax", 8, 9)
+    assert "max 4096" in unsupported("softmax", 8192, 2)
+    with pytest.raises(ValueError, match="Triton routing: top_k 0"):
+        topk_route(torch.zeros(1, 8), "softmax", 0)
+
+
+def test_gpu_router_needs_a_gpu_for_softmax_routing():
+    from moeserve.ops.moe.routing import gpu_router
+    router, name, why = gpu_router(RoutingConfig("softmax", 2, True), 8, torch.device("cpu"))
+    assert router is None and name == "torch" and why == "needs a CUDA GPU"
+
+
+def test_routing_backend_auto_is_torch_on_cpu_and_fused_is_refused_there():
+    from moeserve import LLM
+    from moeserve.backends import BackendUnavailable
+    llm = LLM(model="tiny", device="cpu", max_model_len=64, max_num_seqs=2)
+    assert llm.engine.runner.backend_names["routing"] == "torch"
+    assert all(b.routing_impl == "torch" for b in llm.engine.runner.model.moe_blocks())
+    with pytest.raises(BackendUnavailable, match=r"backends\.routing: 'fused' is not available: needs a CUDA GPU"):
+        LLM(model="tiny", device="cpu", max_model_len=64, max_num_seqs=2, backends={"routing": "fused"})
+
+
+def test_shared_expert_gate_is_a_row_of_the_padded_router_weight(tmp_path):
+    """Qwen2-MoE: the router GEMM also gives the shared expert's gate logit (row E, checkpoint value), the
+    weight is padded to a multiple of 8 rows, and what the padding holds never reaches the output."""
+    from hf_models import make_checkpoint
+    from moeserve import LLM
+    hf = make_checkpoint("qwen2_moe", tmp_path)
+    block = LLM(model=str(tmp_path), dtype="float32", device="cpu", max_model_len=64,
+                max_num_seqs=2).engine.runner.model.layers[0].mlp
+    hf_block = hf.model.layers[0].mlp
+    e = block.num_experts
+    w = block.gate.weight
+    assert block.shared_gate_in_router and block.shared_expert_gate is None
+    assert w.shape[0] % 8 == 0 and e + 1 <= w.shape[0] < e + 9
+    assert torch.equal(w[:e], hf_block.gate.weight) and torch.equal(w[e:e + 1], hf_block.shared_expert_gate.weight)
+    x = torch.randn(7, w.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = block(x)
+        w[e + 1:] = float("nan")
+        assert torch.equal(block(x), out)
+
+
+def test_step_profile_sorts_routing_kernels_apart_from_sampling():
+    from moeserve.bench.step_profile import family
+    for name in ("_topk_route_kernel", "void at::native::sbtopk::gatherTopK<float>",
+                 "void at::native::bitonicSortKVInPlace<-2>", "void at::native::softmax_warp_forward<float>"):
+        assert family(name) == "routing", name
+    for name in ("TopKTopPSamplingFromProbKernel", "void at::native::reduce_kernel<ArgMaxOps<float>>"):
+        assert family(name) == "sampling", name
+    assert family("_moe_align_kernel") == "moe"
+
+
+# ---------------------------------------------------------------- GPU
+
+GPU_SHAPES = {  # name: (E, k, method, renormalize)
+    "qwen1.5-moe": (60, 4, "softmax", False),
+    "qwen3-moe": (128, 8, "softmax", True),
+    "mixtral": (8, 2, "softmax", True),
+    "llama4-scout": (16, 1, "llama4", False),
+    "llama4-maverick": (128, 1, "llama4", False),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 33, 2048])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", list(GPU_SHAPES))
+def test_topk_route_matches_torch_on_the_gpu(shape, dtype, T):
+    from moeserve.ops.moe.routing import gpu_router
+    E, k, method, renorm = GPU_SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(SEED + T)
+    logits = make_full(T, E, dtype, 1, gen, "cuda")[:, :E]
+    router, name, why = gpu_router(RoutingConfig(method, k, renorm), E, torch.device("cuda"))
+    assert name == "triton_topk" and why is None
+    w, ids = router(logits, None)
+    check(logits, w, ids, method, k, renorm)
+
+
+@pytest.mark.gpu
+def test_topk_route_in_a_cuda_graph():
+    from moeserve.ops.moe.routing_triton import topk_route
+    gen = torch.Generator(device="cuda").manual_seed(SEED)
+    full = make_full(8, 60, torch.bfloat16, 1, gen, "cuda")
+    logits = full[:, :60]
+    topk_route(logits, "softmax", 4)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w, ids = topk_route(logits, "softmax", 4)
+    full.copy_(make_full(8, 60, torch.bfloat16, 1, gen, "cuda"))
+    g.replay()
+    torch.cuda.synchronize()
+    check(logits, w, ids, "softmax", 4, False)
+
+
+@pytest.mark.gpu
+def test_fused_routing_named_explicitly_refuses_a_layer_it_cannot_route():
+    import types
+    from moeserve.ops.moe.routing import FusedRouting
+    from moeserve.backends import BackendUnavailable
+    layer = types.SimpleNamespace(routing=RoutingConfig("deepseek_v3", 8, False), num_experts=64)
+    with pytest.raises(BackendUnavailable, match=r"backends\.routing: 'fused' cannot run this model's deepseek_v3 "
+                                                  r"routing \(64 experts, top-8\): .*always renormalises"):
+        FusedRouting(torch.device("cuda"), explicit=True).prepare(layer)
+    FusedRouting(torch.device("cuda"), explicit=False).prepare(layer)  # auto: torch routing for this layer
+    assert layer.router is None and layer.routing_impl == "torch"
+    ok = types.SimpleNamespace(routing=RoutingConfig("softmax", 4), num_experts=60)
+    FusedRouting(torch.device("cuda"), explicit=True).prepare(ok)
+    assert ok.routing_impl == "triton_topk"
+
+
+if __name__ == "__main__" and is_worker(sys.argv):
+    _interpreter_worker(sys.argv[2], sys.argv[3])
