@@ -134,6 +134,9 @@ class EngineConfig(_Strict):
     # Schedule and launch the next step while the GPU still runs the current one (vLLM's
     # --async-scheduling, SGLang's overlap scheduler); its tokens reach the host one step later.
     async_scheduling: bool = True
+    # Steps of at most this many tokens run the shared expert on a second CUDA stream, overlapped with routing
+    # and the routed experts (vLLM's VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD); 0 runs it in line.
+    shared_expert_stream_max_tokens: int = Field(256, ge=0)
 
     backends: BackendConfig = Field(default_factory=BackendConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)

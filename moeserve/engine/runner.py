@@ -84,9 +84,12 @@ class ModelRunner:
     def _build_ops(self) -> Ops:
         plan, dev, dtype = self.plan, self.device, self.dtype
         cls = plan.backend_class
+        side = dev.type == "cuda" and self.cfg.shared_expert_stream_max_tokens > 0 and not self.cfg.torch_compile
         return Ops(linear=cls("linear")(dev, dtype), norm=cls("norm")(), activation=cls("activation")(),
                    moe=cls("moe")(dev, dtype), routing=cls("routing")(dev, explicit=plan.explicit("routing")),
-                   rope_cls=cls("rope"), names=self.backend_names, quantization=self.quantization)
+                   rope_cls=cls("rope"), names=self.backend_names, quantization=self.quantization,
+                   side_stream=torch.cuda.Stream(dev) if side else None,
+                   side_stream_max_tokens=self.cfg.shared_expert_stream_max_tokens)
 
     def _load_model(self) -> tuple[MoECausalLM, str, list[str]]:
         """The model with its weights in place and every MoE layer prepared by the routing and MoE backends;

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from moeserve.models.arch import ArchConfig
 from moeserve.ops.interfaces import (ActivationBackend, AttentionBackend, LinearBackend, MoEBackend, NormBackend,
                                      RopeBackend, RoutingBackend)
+from moeserve.ops.moe.combine import SharedExpertOutput
 from moeserve.ops.moe.routing import select_experts
 from moeserve.quant.fp8 import FP8_DTYPE, block_scale_shape
 from moeserve.quant.moe_ref import experts_fp8_reference
@@ -38,6 +39,10 @@ class Ops:
     attention: AttentionBackend | None = None
     names: dict[str, str] = field(default_factory=dict)
     quantization: str = "none"  # weight format of the quantisable layers: none | fp8
+    # A side CUDA stream the shared expert runs on, overlapped with routing and the routed experts, for steps
+    # of at most ``side_stream_max_tokens`` tokens (vLLM's shared-experts stream); None: one stream.
+    side_stream: torch.cuda.Stream | None = None
+    side_stream_max_tokens: int = 0
 
 
 @dataclass
@@ -232,19 +237,28 @@ class SparseMoE(nn.Module):
         return (*select_experts(logits, self.routing, self.correction_bias), gate_logit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = None
+        stream = self.ops.side_stream
+        if self.shared_expert is not None and stream is not None and x.shape[0] <= self.ops.side_stream_max_tokens:
+            stream.wait_stream(torch.cuda.current_stream())  # x is ready
+            with torch.cuda.stream(stream):
+                shared = self._shared(x, None, stream)
         weights, ids, gate_logit = self.route(x)
+        if self.shared_expert is not None and shared is None:
+            shared = self._shared(x, gate_logit, None)
+        elif shared is not None and shared.gate_logit is None and gate_logit is not None:
+            shared.gate_logit = gate_logit  # the router's GEMM computed the gate on this stream
         if self.w13_scale_inv is not None and not self.ops.moe.serves_fp8:
             out = experts_fp8_reference(x, weights, ids, self)
-        else:
-            out = self.ops.moe.experts(x, weights, ids, self)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
-                gate_logit = self.shared_expert_gate(x)
-            if gate_logit is not None:
-                shared = torch.sigmoid(gate_logit) * shared
-            out = out + shared
-        return out
+            return out if shared is None else shared.add_to(out)
+        return self.ops.moe.experts(x, weights, ids, self, shared=shared)
+
+    def _shared(self, x: torch.Tensor, gate_logit: torch.Tensor | None, stream) -> SharedExpertOutput:
+        """The shared expert's output and its gate logit (its own linear, or the router's extra row)."""
+        out = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            gate_logit = self.shared_expert_gate(x)
+        return SharedExpertOutput(out, gate_logit, stream)
 
     def entries(self, prefix: str) -> dict[str, Entry]:
         i, n = self.intermediate, self.num_experts

@@ -46,8 +46,10 @@ class MoEBackend(ABC):
         """Once per MoE layer after its weights are loaded (re-layout, config lookup)."""
 
     @abstractmethod
-    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer) -> torch.Tensor:
-        """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` for ``x`` ``[T, H]``."""
+    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer,
+                shared=None) -> torch.Tensor:
+        """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` for ``x`` ``[T, H]``, plus the shared expert's output
+        when ``shared`` (a ``moeserve.ops.moe.combine.SharedExpertOutput``) is given."""
 
 
 class RoutingBackend(ABC):

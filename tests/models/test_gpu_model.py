@@ -89,3 +89,18 @@ def test_async_scheduling_gives_the_tokens_of_sync_steps_on_the_gpu(tmp_path):
         torch.cuda.empty_cache()
     assert [len(o) for o in outs[True]] == [sp.max_tokens for sp in params]
     assert outs[True] == outs[False]
+
+
+def test_shared_expert_on_a_side_stream_matches_one_stream(tmp_path):
+    """Qwen2-MoE with the shared expert on a second CUDA stream (overlapped with the routed experts, inside the
+    decode CUDA graphs) gives the logits of the one-stream engine: same kernels, only their overlap differs."""
+    make_checkpoint("qwen2_moe", tmp_path, seed=6, **GPU_QWEN2)
+    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
+    two = engine(tmp_path, {**fast, "moe": "triton"}, eager=False)
+    one = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, shared_expert_stream_max_tokens=0)
+    assert two.runner.ops.side_stream is not None and one.runner.ops.side_stream is None
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    r = lockstep(two, one, prompts, MAX_TOKENS, follow="fast")
+    assert r.graph_steps > 0
+    assert r.worst > 0.99999 and r.agreement == 1.0

@@ -54,6 +54,15 @@ ALIGN_CASES = {
     "multi-chunk-E8": (600, 2, 8, 16, torch.int32),
     "multi-chunk-E128": (300, 8, 128, 32, torch.int64),
 }
+# name: (T, k, H, dtype, shared expert, sigmoid gate): the combine kernel (sum over top-k + gated shared add)
+COMBINE_CASES = {
+    "T1-k4-gated": (1, 4, 72, torch.float32, True, True),
+    "T9-k2-shared": (9, 2, 1100, torch.float32, True, False),  # H > one block of 1024 columns
+    "T5-k8-routed-only": (5, 8, 64, torch.float32, False, False),
+    "T7-k4-gated-bf16": (7, 4, 96, torch.bfloat16, True, True),
+    "T0": (0, 2, 32, torch.float32, True, True),
+}
+COMBINE_BF16_TOL = 1e-2  # relative, one bf16 rounding of a float32 sum (2**-8 = 3.9e-3 per element at most)
 
 
 def check_alignment(sorted_ids, expert_ids, ntpp, topk_ids, block_m, E):
@@ -89,9 +98,12 @@ def check_alignment(sorted_ids, expert_ids, ntpp, topk_ids, block_m, E):
 
 def _interpreter_worker(in_path: str, out_path: str) -> None:
     patch_for_numpy()
+    from moeserve.ops.moe.combine_triton import moe_combine_triton
     from moeserve.ops.moe.triton_kernels import fused_moe, moe_align_block_size
     inputs = torch.load(in_path)
-    out = {"moe": {}, "align": {}}
+    out = {"moe": {}, "align": {}, "combine": {}}
+    for name, (down, k, shared, gate) in inputs["combine"].items():
+        out["combine"][name] = moe_combine_triton(down, k, shared, gate)
     for name, (x, w13, w2, tw, ti, cfg) in inputs["moe"].items():
         out["moe"][name] = fused_moe(x, w13, w2, tw, ti, config=cfg)
     for name, (ids, block_m, E) in inputs["align"].items():
@@ -109,8 +121,32 @@ def interpreted(tmp_path_factory):
     align = {}
     for name, (T, k, E, bm, ids_dtype) in ALIGN_CASES.items():
         align[name] = (random_routing(T, E, k, gen, ids_dtype=ids_dtype)[1], bm, E)
-    inputs = {"moe": moe, "align": align}
+    combine = {}
+    for name, (T, k, H, dtype, with_shared, gated) in COMBINE_CASES.items():
+        down = torch.randn(T * k, H, generator=gen).to(dtype)
+        shared = torch.randn(T, H, generator=gen).to(dtype) if with_shared else None
+        gate = (torch.randn(T, 1, generator=gen) * 3).to(dtype) if gated else None
+        combine[name] = (down, k, shared, gate)
+    inputs = {"moe": moe, "align": align, "combine": combine}
     return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("interp"), SEED)
+
+
+@pytest.mark.parametrize("name", list(COMBINE_CASES))
+def test_moe_combine_interpreter(interpreted, name):
+    """The combine kernel against the float64 formula: sum of the top-k rows + sigmoid(gate) * shared."""
+    inputs, outputs = interpreted
+    down, k, shared, gate = inputs["combine"][name]
+    y = outputs["combine"][name]
+    T, H = down.shape[0] // k, down.shape[1]
+    assert y.shape == (T, H) and y.dtype == down.dtype
+    ref = down.double().view(T, k, H).sum(1)
+    if shared is not None:
+        ref = ref + (torch.sigmoid(gate.double()) if gate is not None else 1.0) * shared.double()
+    if down.dtype == torch.float32:
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"seed {SEED}: {m}")
+    else:
+        err = float((y.double() - ref).abs().max() / ref.abs().max())
+        assert err < COMBINE_BF16_TOL, f"seed {SEED}: max relative error {err:.3g}"
 
 
 @pytest.mark.parametrize("name", list(MOE_CASES))
@@ -325,3 +361,47 @@ def test_fused_moe_cuda_graph(qwen_weights, M):
 
 if __name__ == "__main__" and is_worker(sys.argv):
     _interpreter_worker(sys.argv[2], sys.argv[3])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("M", [1, 8, 64])
+def test_fused_moe_with_a_shared_expert_on_a_side_stream_in_a_cuda_graph(qwen_weights, M):
+    """Qwen1.5's MoE: the shared expert's output (made on a side stream, joined before the combine) and its
+    sigmoid gate are added in the combine kernel, captured in a CUDA graph; against the float32 formula."""
+    from moeserve.ops.moe.combine import SharedExpertOutput
+    from moeserve.ops.moe.triton_kernels import fused_moe
+    E, I, H, k = QWEN_SHAPES["qwen1.5"]
+    w13, w2 = qwen_weights("qwen1.5")
+    gen = torch.Generator(device="cuda").manual_seed(SEED + 2000 + M)
+    x = torch.randn(M, H, generator=gen, device="cuda").bfloat16()
+    tw, ti = random_routing(M, E, k, gen, "cuda")
+    w_shared = (torch.randn(H, H, generator=gen, device="cuda") / H ** 0.5).bfloat16()
+    w_gate = (torch.randn(1, H, generator=gen, device="cuda") / H ** 0.5).bfloat16()
+    side = torch.cuda.Stream()
+    out = torch.empty_like(x)
+
+    def step():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            shared = SharedExpertOutput(x @ w_shared.T, None, side)
+        shared.gate_logit = x @ w_gate.T
+        fused_moe(x, w13, w2, tw, ti, out=out, shared=shared)
+
+    capture = torch.cuda.Stream()
+    capture.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(capture):
+        step()  # warm-up (compiles) outside the graph
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=capture):
+            step()
+    torch.cuda.current_stream().wait_stream(capture)
+    new_x = torch.randn(M, H, generator=gen, device="cuda").bfloat16()
+    x.copy_(new_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    xf = new_x.float()
+    ref = (reference_moe(new_x, w13, w2, tw, ti, dtype=torch.float32)
+           + torch.sigmoid(xf @ w_gate.float().T) * (xf @ w_shared.float().T))
+    err = float((out.float() - ref).norm() / ref.norm())
+    assert err < BF16_REL_FRO, f"seed {SEED}: rel Frobenius error {err:.3g}"

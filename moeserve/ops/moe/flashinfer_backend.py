@@ -73,7 +73,12 @@ class FlashInferMoE(MoEBackend):
             layer.w13_order = "up_gate"
 
     @torch.compiler.disable  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
-    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer) -> torch.Tensor:
+    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer,
+                shared=None) -> torch.Tensor:
+        out = self._finalized(x, topk_weights, topk_ids, layer)
+        return out if shared is None else shared.add_to(out)
+
+    def _finalized(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer) -> torch.Tensor:
         scales = layer.w13_scale_inv
         if scales is not None:
             out = self._fn(x, topk_ids.to(torch.int32), topk_weights.to(torch.float32), layer.w13, layer.w2,

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from moeserve.quant.fp8 import BLOCK, EPS, FP8_DTYPE, FP8_MAX, block_scale_shape, per_token_group_quant_fp8
 
+from .combine import SharedExpertOutput, moe_combine
 from .triton_configs import CONFIG_DIR, CONFIG_DIR_ENV, config_file_name, default_config, device_name, parse_configs
 from .triton_kernels import launch_params, moe_align_block_size, program_tile, silu_and_mul, store_tile, tile_rows
 
@@ -203,7 +204,8 @@ def _check_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
 
 def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                   w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                  config: dict | None = None, out: torch.Tensor | None = None,
+                  shared: SharedExpertOutput | None = None) -> torch.Tensor:
     """Block-FP8 SwiGLU experts: ``sum_j w[t,j] * W2[e] Q(silu(G_e Q(x_t)) * U_e Q(x_t))``, ``e = ids[t,j]``.
 
     Shapes as in ``triton_kernels.fused_moe`` plus the block scales; returns ``[T, H]`` in ``x.dtype``. The
@@ -219,6 +221,8 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     if out is None:
         out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     if t == 0:
+        if shared is not None:
+            shared.join()
         return out
     if config is None:
         config, _ = get_fp8_config(t, e, inter, h, top_k)
@@ -238,4 +242,4 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     down = torch.empty((rows, h), dtype=x.dtype, device=x.device)
     invoke_fused_moe_fp8_kernel(aq, as_, w2, w2_scale, down, weights, sorted_ids, expert_ids, ntpp, 1, config,
                                 max_rows)
-    return torch.sum(down.view(t, top_k, h), dim=1, out=out)
+    return moe_combine(down, top_k, shared, out)

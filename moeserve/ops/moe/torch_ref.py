@@ -30,5 +30,7 @@ def torch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 class TorchMoE(MoEBackend):
     name = "torch"
 
-    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer) -> torch.Tensor:
-        return torch_moe(x, layer.w13, layer.w2, topk_weights, topk_ids)
+    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer,
+                shared=None) -> torch.Tensor:
+        out = torch_moe(x, layer.w13, layer.w2, topk_weights, topk_ids)
+        return out if shared is None else shared.add_to(out)

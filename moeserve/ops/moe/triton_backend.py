@@ -44,9 +44,10 @@ class TritonMoE(MoEBackend):
                         e, two_i // 2, h, kind, self._configs.device_name())
 
     @torch.compiler.disable  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
-    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer) -> torch.Tensor:
+    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer,
+                shared=None) -> torch.Tensor:
         if layer.w13_scale_inv is not None:
             return self._fp8.fused_moe_fp8(x, layer.w13, layer.w13_scale_inv, layer.w2, layer.w2_scale_inv,
-                                           topk_weights, topk_ids)
-        return self._kernels.fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids)
+                                           topk_weights, topk_ids, shared=shared)
+        return self._kernels.fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, shared=shared)
 

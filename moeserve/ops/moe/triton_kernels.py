@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .combine import SharedExpertOutput, moe_combine
 from .triton_configs import get_config
 
 __all__ = ["moe_align_block_size", "fused_moe", "fused_moe_warmup", "invoke_fused_moe_kernel"]
@@ -284,13 +285,15 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids):
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, config: dict | None = None, out: torch.Tensor | None = None,
+              shared: SharedExpertOutput | None = None) -> torch.Tensor:
     """Mixture-of-experts SwiGLU MLP: ``sum_j w[t,j] * w2[e] @ (silu(gate_e x_t) * up_e x_t)``, ``e = ids[t,j]``.
 
     ``x`` ``[T, H]``; ``w13`` ``[E, 2I, H]`` (gate rows ``[0, I)``, up rows ``[I, 2I)``); ``w2`` ``[E, H, I]``;
     ``topk_weights`` ``[T, k]`` fp32; ``topk_ids`` ``[T, k]`` int32/int64. Returns ``[T, H]`` in ``x.dtype``
     (written into ``out`` when given). ``config`` holds the Triton tile parameters; ``None`` selects one with
-    :func:`get_config`. GEMMs accumulate in fp32; no host synchronisation.
+    :func:`get_config`. ``shared``: a shared expert's output, added (gated) in the combine. GEMMs accumulate in
+    fp32; no host synchronisation.
     """
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
     t, h = x.shape
@@ -300,6 +303,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if out is None:
         out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     if t == 0:
+        if shared is not None:
+            shared.join()
         return out
     if config is None:
         config, _ = get_config(t, e, inter, h, top_k, x.dtype)
@@ -314,7 +319,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     act = silu_and_mul(gate_up)
     down = torch.empty((rows, h), dtype=x.dtype, device=x.device)
     invoke_fused_moe_kernel(act, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, config, max_rows)
-    return torch.sum(down.view(t, top_k, h), dim=1, out=out)
+    return moe_combine(down, top_k, shared, out)
 
 
 def fused_moe_warmup(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, config: dict):
