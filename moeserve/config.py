@@ -75,7 +75,12 @@ class VllmBaselineConfig(_Strict):
 
 class BenchConfig(_Strict):
     workloads: list[Literal["prefill", "decode", "mixed"]] = Field(default_factory=lambda: ["prefill", "decode", "mixed"])
-    concurrency: list[int] = Field(default_factory=lambda: [1, 8, 32])
+    concurrency: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    # "shared-checkpoint": a model without weights gets one random checkpoint written to disk (moeserve's dummy
+    # rule, HF names) that every engine loads through its real loader, so all run identical weights;
+    # "dummy": each engine draws its own random weights (not a comparison between engines)
+    weights: Literal["shared-checkpoint", "dummy"] = "shared-checkpoint"
+    checkpoint_dir: str | None = None  # where that checkpoint goes (default <output_dir>/checkpoints/...)
     prompt_len: int = Field(512, ge=1)
     output_len: int = Field(128, ge=2)
     runs: int = Field(3, ge=1)

@@ -201,6 +201,26 @@ def _run_vllm(cfg, names, cases, arch, source, device, dtype, runs, warmups, out
     return entries
 
 
+def use_shared_checkpoint(cfg: EngineConfig, source, dtype, log):
+    """With ``bench.weights: shared-checkpoint`` and a model without weights (a preset or a config-only
+    directory), write (or reuse) one random checkpoint and point ``cfg`` at it, so every engine loads it; the
+    model source the engines will load."""
+    if cfg.bench.weights != "shared-checkpoint" or source.weights_dir is not None or cfg.load_format == "dummy":
+        return source
+    from moeserve.bench.checkpoint import write_random_checkpoint
+    from moeserve.config import resolve_model_source
+    dt = str(dtype).removeprefix("torch.")
+    ckpt = Path(cfg.bench.checkpoint_dir or Path(cfg.bench.output_dir) / "checkpoints" / f"{source.name}-{dt}-seed{cfg.seed}")
+    write_random_checkpoint(cfg.model, ckpt, dt, cfg.seed, log=log)
+    cfg.model, cfg.load_format = str(ckpt), "safetensors"
+    return resolve_model_source(cfg.model)
+
+
+def shared_weights_note(cfg: EngineConfig, source) -> str:
+    """``result["weights"]``: ``shared-checkpoint`` when every engine reads the same files, else ``dummy``."""
+    return "shared-checkpoint" if source.weights_dir is not None and cfg.load_format != "dummy" else "dummy"
+
+
 def _merge(result: dict, others: list[tuple[str, dict]], log) -> None:
     for p, other in others:
         ours, theirs = result["config"]["bench"], other.get("config", {}).get("bench", {})
@@ -228,6 +248,8 @@ def run_offline(args) -> int:
     from moeserve.bench.roofline import attach_roofline_fractions, measure_copy_bandwidth, roofline_table
     from moeserve.bench.workloads import build_cases
     result, source, arch, device, dtype = base_result("offline", cfg, choice)
+    source = use_shared_checkpoint(cfg, source, dtype, log)
+    result["weights"] = shared_weights_note(cfg, source)
     out = output_dir(cfg, args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     partial = out / "result.partial.json"

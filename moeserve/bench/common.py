@@ -53,6 +53,26 @@ def output_dir(cfg: EngineConfig, explicit: str | None) -> Path:
     return Path(cfg.bench.output_dir) / datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
+def source_commit() -> str | None:
+    """The commit of the code that runs: ``MOESERVE_COMMIT`` when set (a copy without .git), else git's HEAD
+    (with ``+dirty`` when files differ from it)."""
+    import os
+    import subprocess
+    if os.environ.get("MOESERVE_COMMIT"):
+        return os.environ["MOESERVE_COMMIT"]
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def base_result(kind: str, cfg: EngineConfig, choice: str) -> tuple:
     """The fields every result has, and the model source, architecture, device and dtype they describe
     (resolved the way the engine resolves them)."""
@@ -63,7 +83,8 @@ def base_result(kind: str, cfg: EngineConfig, choice: str) -> tuple:
     env = dict(plan.hardware.to_dict(), device=str(device))
     result = {"kind": kind, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": shlex.join(["moeserve"] + sys.argv[1:]) if sys.argv else "moeserve",
-              "moeserve_version": moeserve.__version__, "environment": env, "config": cfg.model_dump(),
+              "moeserve_version": moeserve.__version__, "commit": source_commit(), "environment": env,
+              "config": cfg.model_dump(),
               "model": {"name": source.name, "model_type": arch.model_type, "dtype": str(dtype).removeprefix("torch.")},
               "config_choice": choice, "engines": []}
     return result, source, arch, device, dtype

@@ -22,3 +22,9 @@ def checkpoint_name(model_type: str, name: str) -> str:
     """A family's checkpoint tensor name in the shared (Qwen-style) naming."""
     rename = getattr(FAMILIES[model_type], "rename", None)
     return rename(name) if rename else name
+
+
+def hf_name(model_type: str, name: str) -> str:
+    """The Hugging Face checkpoint name of a tensor in the shared naming (``checkpoint_name`` reversed)."""
+    export = getattr(FAMILIES[model_type], "export_name", None)
+    return export(name) if export else name

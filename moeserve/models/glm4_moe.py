@@ -43,3 +43,7 @@ def arch_config(hf: dict) -> ArchConfig:
 def rename(name: str) -> str:
     """transformers' ``mlp.shared_experts.*`` is moeserve's ``mlp.shared_expert.*``."""
     return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+
+
+def export_name(name: str) -> str:
+    return name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")

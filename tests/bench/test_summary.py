@@ -1,0 +1,51 @@
+"""summary.json and the README table come from a benchmark result, not from hand-written numbers."""
+import json
+
+import pytest
+
+from moeserve.bench.summary import END, START, main, markdown_table, replace_block, summarize
+
+
+def result():
+    row = lambda c, tok, ttft, frac: {"workload": "decode", "concurrency": c, "decode_tok_s": tok,  # noqa: E731
+                                      "ttft_s": ttft, "roofline_fraction": frac, "runs": []}
+    return {
+        "kind": "offline", "created": "2026-11-30T12:00:00+00:00", "commit": "abc1234", "command": "moeserve bench",
+        "weights": "shared-checkpoint",
+        "environment": {"gpus": [{"name": "NVIDIA H200"}], "driver_version": "580",
+                        "versions": {"torch": "2.11.0", "triton": "3.6.0", "flashinfer": "0.6.14"}},
+        "config": {"bench": {"prompt_len": 512, "output_len": 128, "runs": 3}},
+        "model": {"name": "qwen1.5-moe-a2.7b", "model_type": "qwen2_moe", "dtype": "bfloat16"},
+        "engines": [
+            {"name": "moeserve", "label": "moeserve", "available": True, "results": [row(1, 400.0, 0.02, 0.5),
+                                                                                     row(8, 1800.0, 0.04, 0.8)]},
+            {"name": "vllm", "label": "vllm:default", "available": True, "versions": {"vllm": "0.26.0"},
+             "results": [row(1, 413.0, 0.03, 0.52), row(8, 1672.0, 0.05, 0.74)]},
+            {"name": "vllm", "label": "vllm:flashinfer", "available": False, "results": []},
+        ],
+    }
+
+
+def test_summary_carries_the_provenance_and_every_cell():
+    s = summarize(result(), "docs/results/x")
+    assert s["gpu"] == "NVIDIA H200" and s["commit"] == "abc1234" and s["weights"] == "shared-checkpoint"
+    assert s["versions"]["vllm"] == "0.26.0" and s["date"] == "2026-11-30"
+    assert [e["engine"] for e in s["engines"]] == ["moeserve", "vllm:default"]
+    assert s["workloads"]["decode"]["8"]["vllm:default"]["decode_tok_s"] == 1672.0
+    table = markdown_table(s)
+    assert "| 1 | 400 | 413 | 0.97 | 20.0 | 30.0 | 50% | 52% |" in table
+    assert "| 8 | 1,800 | 1,672 | 1.08 |" in table and "weights: shared-checkpoint" in table
+
+
+def test_the_readme_block_is_replaced_and_nothing_else(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\nbefore\n{START}\nold table\n{END}\nafter\n")
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(result()))
+    assert main([str(path), "--out", str(tmp_path / "summary.json"), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "old table" not in text and text.startswith("# x\nbefore\n") and text.endswith(f"{END}\nafter\n")
+    assert "| 8 | 1,800 |" in text
+    assert json.loads((tmp_path / "summary.json").read_text())["weights"] == "shared-checkpoint"
+    with pytest.raises(ValueError, match="results-table"):
+        replace_block("no markers", "x")
