@@ -4,6 +4,12 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("MOESERVE_KERNEL_CACHE") and torch.cuda.is_available():
+    # GPU runs: load FlashInfer's modules from a cache made by `moeserve precompile` (before anything imports
+    # flashinfer), so the suite compiles only what that cache lacks
+    from moeserve.hardware import probe
+    from moeserve.kernel_cache import use_kernel_cache
+    use_kernel_cache(os.environ["MOESERVE_KERNEL_CACHE"], probe())
 # The test models are tiny: one intra-op thread is as fast, and immune to OpenMP spin-waiting when the
 # few cores of a CI machine are shared with server threads and subprocesses.
 torch.set_num_threads(1)
