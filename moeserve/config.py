@@ -73,8 +73,20 @@ class VllmBaselineConfig(_Strict):
     dummy_init: Literal["moeserve", "vllm"] = "moeserve"
 
 
+class SharedPrefixConfig(_Strict):
+    """The ``shared-prefix`` workload: ``groups`` system prompts of ``prefix_len`` tokens; each of ``requests``
+    requests is one of them plus ``suffix_len`` unique tokens, ``output_len`` tokens out, ``c`` in flight."""
+
+    groups: int = Field(8, ge=1)
+    prefix_len: int = Field(2048, ge=1)
+    suffix_len: int = Field(128, ge=1)
+    requests: int = Field(256, ge=1)
+    output_len: int = Field(32, ge=2)
+
+
 class BenchConfig(_Strict):
-    workloads: list[Literal["prefill", "decode", "mixed"]] = Field(default_factory=lambda: ["prefill", "decode", "mixed"])
+    workloads: list[Literal["prefill", "decode", "mixed", "shared-prefix"]] = Field(
+        default_factory=lambda: ["prefill", "decode", "mixed"])
     concurrency: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     # "shared-checkpoint": a model without weights gets one random checkpoint written to disk (moeserve's dummy
     # rule, HF names) that every engine loads through its real loader, so all run identical weights;
@@ -90,6 +102,7 @@ class BenchConfig(_Strict):
     # at different times; each finished request is replaced by a new prompt until 3*c are done.
     mixed_arrival_every: int = Field(4, ge=1)
     output_dir: str = "bench-results"
+    shared_prefix: SharedPrefixConfig = Field(default_factory=SharedPrefixConfig)
     vllm: VllmBaselineConfig = Field(default_factory=VllmBaselineConfig)
     plots: bool = True
 
@@ -123,6 +136,8 @@ class EngineConfig(_Strict):
     seed: int = 0
 
     max_num_seqs: int = Field(256, ge=1)
+    # Reuse the KV pages of prompt prefixes already computed (vLLM's automatic prefix caching, on by default)
+    enable_prefix_caching: bool = True
     max_num_batched_tokens: int = Field(8192, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     page_size: int = Field(16, ge=1)

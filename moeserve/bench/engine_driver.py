@@ -35,6 +35,11 @@ class MoeserveAdapter:
             out.append((s.request_id, len(s.output_token_ids), s.is_finished))
         return out
 
+    def num_cached_tokens(self, request_id: str) -> int | None:
+        """Prompt tokens the request found in the prefix cache."""
+        seq = self._seqs.get(request_id)
+        return None if seq is None else seq.num_cached_tokens
+
     def output_token_ids(self, request_id: str) -> list[int] | None:
         """The tokens the request generated; forgotten once read (one run's requests at a time)."""
         seq = self._seqs.pop(request_id, None)
@@ -55,7 +60,8 @@ def engine_entry(engine, results: list[dict]) -> dict:
         "memory": engine.memory_report(),
         "engine": {k: d[k] for k in ("device", "dtype", "load_format", "kv_pages", "page_size", "max_model_len",
                                      "cuda_graph_batch_sizes")},
-        "stats": dict(engine.stats, preemptions=engine.scheduler.num_preemptions),
+        "stats": dict(engine.stats, preemptions=engine.scheduler.num_preemptions,
+                      prefix_cache=engine.prefix_cache_stats()),
         "results": results,
     }
 

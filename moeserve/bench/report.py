@@ -19,12 +19,13 @@ from rich.table import Table
 ROW_ID_KEYS = ("workload", "concurrency", "request_rate")
 NON_METRIC_KEYS = set(ROW_ID_KEYS) | {"prompt_len", "output_len", "runs", "num_prompts", "max_concurrency"}
 METRIC_ORDER = ("decode_tok_s", "prefill_tok_s", "total_tok_s", "output_tok_s", "request_throughput", "ttft_s",
-                "e2e_s", "roofline_fraction", "distinct_token_frac", "ttft_mean_ms", "ttft_median_ms", "ttft_p99_ms", "tpot_mean_ms",
+                "e2e_s", "roofline_fraction", "distinct_token_frac", "prefix_hit_rate", "ttft_mean_ms", "ttft_median_ms", "ttft_p99_ms", "tpot_mean_ms",
                 "tpot_median_ms", "tpot_p99_ms", "itl_mean_ms", "itl_median_ms", "itl_p99_ms", "e2el_mean_ms",
                 "e2el_median_ms", "e2el_p99_ms")
 MAIN_METRICS = {"prefill": ("ttft_s", "prefill_tok_s"),
                 "decode": ("decode_tok_s", "ttft_s", "total_tok_s", "roofline_fraction", "distinct_token_frac"),
-                "mixed": ("total_tok_s", "output_tok_s", "ttft_s")}
+                "mixed": ("total_tok_s", "output_tok_s", "ttft_s"),
+                "shared-prefix": ("total_tok_s", "ttft_s", "prefix_hit_rate")}
 THROUGHPUT_KEYS = ("decode_tok_s", "prefill_tok_s", "total_tok_s", "output_tok_s", "request_throughput")
 TTFT_KEYS = ("ttft_s", "ttft_median_ms", "ttft_mean_ms")
 KERNEL_COLUMNS = (("kernel", "kernel"), ("shape", "shape"), ("batch", "batch"), ("time_us", "time µs"),
@@ -55,7 +56,7 @@ def fmt_metric(key: str, value) -> str:
         return "—"
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
-    if key in ("roofline_fraction", "distinct_token_frac"):
+    if key in ("roofline_fraction", "distinct_token_frac", "prefix_hit_rate"):
         return f"{value:.1%}"
     if key.endswith("tok_s"):
         return f"{value:,.0f} tok/s" if value >= 100 else f"{value:.2f} tok/s"

@@ -101,7 +101,7 @@ def shared_engine_args(cfg: EngineConfig, model_dir: str, load_format: str, dtyp
                        gpu_memory_utilization: float) -> dict:
     """EngineArgs every configuration shares: the same model, dtype and limits as moeserve."""
     args = {"model": model_dir, "load_format": load_format, "skip_tokenizer_init": True, "dtype": dtype,
-            "enable_prefix_caching": False, "max_model_len": max_model_len, "max_num_seqs": cfg.max_num_seqs,
+            "enable_prefix_caching": cfg.enable_prefix_caching, "max_model_len": max_model_len, "max_num_seqs": cfg.max_num_seqs,
             "max_num_batched_tokens": cfg.max_num_batched_tokens, "gpu_memory_utilization": gpu_memory_utilization,
             "seed": cfg.seed, "disable_log_stats": True}
     if cfg.enforce_eager:

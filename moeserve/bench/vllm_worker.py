@@ -53,6 +53,7 @@ class VllmAdapter:
         self._known: set[str] = set()
         self._alias: dict[str, str] = {}
         self._tokens: dict[str, list[int]] = {}
+        self._cached: dict[str, int | None] = {}
 
     def add(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:
         params = self._params(temperature=0.0, ignore_eos=True, max_tokens=max_tokens, detokenize=False)
@@ -76,8 +77,14 @@ class VllmAdapter:
             rid = self._resolve(o.request_id)
             if comp is not None:
                 self._tokens[rid] = list(comp.token_ids)
+            if o.finished:
+                self._cached[rid] = getattr(o, "num_cached_tokens", None)
             out.append((rid, len(comp.token_ids) if comp is not None else 0, bool(o.finished)))
         return out
+
+    def num_cached_tokens(self, request_id: str) -> int | None:
+        """Prompt tokens vLLM found in its prefix cache (``RequestOutput.num_cached_tokens``)."""
+        return self._cached.pop(request_id, None)
 
     def output_token_ids(self, request_id: str) -> list[int] | None:
         """The tokens the request generated (vLLM's default output kind is cumulative); forgotten once read."""

@@ -21,6 +21,10 @@ Workloads at concurrency ``c`` (each cell is ``bench.runs`` timed runs after ``b
   finish at different times, and each time a request finishes the next one is added, so prompts
   arrive while others decode. ``total_tok_s``, ``output_tok_s``, ``request_throughput``, ``e2e_s``,
   and ``ttft_s`` = mean TTFT of the requests that arrived while others were decoding.
+- ``shared-prefix``: ``requests`` requests, ``c`` in flight, each one of ``groups`` system prompts of
+  ``prefix_len`` tokens (the same in every run) followed by ``prompt_len`` unique tokens. ``ttft_s`` = mean
+  TTFT, ``total_tok_s``, ``output_tok_s``, ``request_throughput``, and ``prefix_hit_rate`` = prompt tokens
+  found in the engine's prefix cache / prompt tokens (when the adapter reports ``num_cached_tokens``).
 
 ``distinct_token_frac`` (decode, when the adapter can return the tokens it generated): the mean over
 output positions of the number of distinct token ids across the batch divided by the batch size. Random
@@ -36,7 +40,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Protocol
 
-WORKLOADS = ("prefill", "decode", "mixed")
+WORKLOADS = ("prefill", "decode", "mixed", "shared-prefix")
 MIXED_REQUESTS_PER_SLOT = 3
 TOKEN_ID_LOW = 10  # keep clear of the special ids small vocabularies put first
 TOKEN_ID_HIGH = 32000
@@ -61,6 +65,9 @@ class WorkloadCase:
     output_len: int
     seed: int = 0
     arrival_every: int = 4  # mixed: initial output lengths differ by this many tokens
+    prefix_len: int = 0  # shared-prefix: tokens of each system prompt
+    prefix_groups: int = 0  # shared-prefix: how many system prompts
+    num_requests: int = 0  # shared-prefix: requests per run
 
     def __post_init__(self):
         if self.workload not in WORKLOADS:
@@ -82,8 +89,17 @@ class Request:
 
 def build_cases(bench) -> list[WorkloadCase]:
     """The cells of a ``BenchConfig`` in report order: workload by workload, concurrency ascending."""
-    return [WorkloadCase(w, c, bench.prompt_len, bench.output_len, bench.seed, bench.mixed_arrival_every)
-            for w in bench.workloads for c in sorted(set(bench.concurrency))]
+    cases = []
+    for w in bench.workloads:
+        for c in sorted(set(bench.concurrency)):
+            if w == "shared-prefix":
+                sp = bench.shared_prefix
+                cases.append(WorkloadCase(w, c, sp.suffix_len, sp.output_len, bench.seed, bench.mixed_arrival_every,
+                                          sp.prefix_len, sp.groups, sp.requests))
+            else:
+                cases.append(WorkloadCase(w, c, bench.prompt_len, bench.output_len, bench.seed,
+                                          bench.mixed_arrival_every))
+    return cases
 
 
 def mixed_output_lengths(c: int, output_len: int, every: int) -> list[int]:
@@ -97,13 +113,19 @@ def make_requests(case: WorkloadCase, run_index: int, vocab_size: int) -> list[R
     rng = random.Random(f"{case.seed}:{case.workload}:{case.concurrency}:{case.prompt_len}:{run_index}")
     high = max(TOKEN_ID_LOW + 1, min(vocab_size, TOKEN_ID_HIGH))
     low = TOKEN_ID_LOW if vocab_size > TOKEN_ID_LOW + 1 else 0
+    tag = f"{case.workload[0]}{case.concurrency}r{run_index}"
+    if case.workload == "shared-prefix":
+        fixed = random.Random(f"{case.seed}:shared-prefix:{case.prefix_len}")  # the same system prompts every run
+        prefixes = [[fixed.randrange(low, high) for _ in range(case.prefix_len)] for _ in range(case.prefix_groups)]
+        return [Request(f"{tag}-{i:05d}", prefixes[rng.randrange(case.prefix_groups)]
+                        + [rng.randrange(low, high) for _ in range(case.prompt_len)], case.output_len)
+                for i in range(case.num_requests)]
     if case.workload == "prefill":
         lengths = [1] * case.concurrency
     elif case.workload == "decode":
         lengths = [case.output_len] * case.concurrency
     else:
         lengths = mixed_output_lengths(case.concurrency, case.output_len, case.arrival_every)
-    tag = f"{case.workload[0]}{case.concurrency}r{run_index}"
     return [Request(f"{tag}-{i:05d}", [rng.randrange(low, high) for _ in range(case.prompt_len)], n)
             for i, n in enumerate(lengths)]
 
@@ -151,6 +173,10 @@ def run_once(adapter: EngineAdapter, case: WorkloadCase, requests: list[Request]
                      "nth_token_s": tt[min(len(tt), r.max_tokens) - 1] - t0, "last_token_s": tt[-1] - t0,
                      "num_tokens": len(tt)})
     run = {"steps": steps, "requests": reqs}
+    cached = getattr(adapter, "num_cached_tokens", None)
+    if cached is not None and case.workload == "shared-prefix":
+        for r, rec in zip(requests, reqs):
+            rec["cached_tokens"] = cached(r.id)
     if outputs is not None:
         tokens = [outputs(r.id) or [] for r in requests]  # read for every workload: the adapter forgets them
         frac = distinct_token_frac(tokens) if case.workload == "decode" else None
@@ -209,7 +235,18 @@ def mixed_metrics(run: dict) -> dict:
             "request_throughput": _rate(len(reqs), e2e)}
 
 
+def shared_prefix_metrics(run: dict) -> dict:
+    reqs = run["requests"]
+    out = mixed_metrics(run)
+    out["ttft_s"] = statistics.fmean(r["first_token_s"] - r["arrival_s"] for r in reqs)
+    if all(r.get("cached_tokens") is not None for r in reqs):
+        out["prefix_hit_rate"] = sum(r["cached_tokens"] for r in reqs) / sum(r["prompt_len"] for r in reqs)
+    return out
+
+
 def run_metrics(run: dict, workload: str) -> dict:
+    if workload == "shared-prefix":
+        return shared_prefix_metrics(run)
     return mixed_metrics(run) if workload == "mixed" else static_metrics(run, workload)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.engine.kv_cache import PagePool
+from moeserve.engine.kv_cache import KVCacheManager
 from moeserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from moeserve.engine.requests import RequestError, RequestLimits, validate_request
 from moeserve.engine.runner import ModelRunner
@@ -48,7 +48,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.plan)
         self.arch = self.plan.arch
         self.max_model_len = self.plan.max_model_len
-        self.pool = PagePool(self.runner.kv.num_pages, config.page_size)
+        self.pool = KVCacheManager(self.runner.kv.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.tokenizer = load_tokenizer(self.source.config_dir)
         eos = set(self.arch.eos_token_ids)
@@ -86,13 +86,15 @@ class LLMEngine:
         validate_request(prompt_token_ids, params, self.limits)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> Sequence:
+                    request_id: str | None = None, cache_salt: str | None = None) -> Sequence:
         params = params or SamplingParams()
         self.validate(prompt_token_ids, params)
         request_id = request_id if request_id is not None else self.new_request_id()
         if request_id in self.sequences:
             raise RequestError(f"request_id: {request_id!r} is already in use")
-        seq = Sequence(request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise RequestError(f"cache_salt: must be a string, got {type(cache_salt).__name__}")
+        seq = Sequence(request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len, cache_salt)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -173,6 +175,7 @@ class LLMEngine:
             finished=seq.is_finished,
             metrics=RequestMetrics(t.arrival, t.first_scheduled, t.first_token, t.finished, list(t.token_times),
                                    seq.num_preemptions),
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     # --- introspection -------------------------------------------------------------------------
@@ -194,4 +197,10 @@ class LLMEngine:
             "max_model_len": self.max_model_len, "cuda_graph_batch_sizes": r.graphs.sizes if r.graphs else [],
             "init_seconds": r.init_seconds, "load_seconds": r.load_seconds,
             "graph_capture_seconds": r.graph_capture_seconds, "ready_seconds": self.ready_seconds,
+            "enable_prefix_caching": self.pool.enable_caching,
         }
+
+    def prefix_cache_stats(self) -> dict:
+        """Prompt tokens looked up in the prefix cache, and found, since the engine started."""
+        p = self.pool
+        return {"queries": p.queries, "hits": p.hits, "hit_rate": p.hits / p.queries if p.queries else 0.0}

@@ -37,6 +37,8 @@ class LLM:
                 raise RequestError(f"prompts[{i}]: {e}") from None
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return self._prompt_ids(i, prompt["prompt"])
         raise RequestError(f"prompts[{i}]: must be a string or a dict with 'prompt_token_ids', "
                            f"got {type(prompt).__name__}")
 
@@ -52,18 +54,21 @@ class LLM:
         if len(params) != len(prompts):
             raise RequestError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         parsed = [self._prompt_ids(i, p) for i, p in enumerate(prompts)]
-        for i, ((_, ids), sp) in enumerate(zip(parsed, params)):
+        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
+        for i, ((_, ids), sp, salt) in enumerate(zip(parsed, params, salts)):
             try:
                 self.engine.validate(ids, sp)
+                if salt is not None and not isinstance(salt, str):
+                    raise RequestError(f"cache_salt: must be a string, got {type(salt).__name__}")
             except RequestError as e:
                 raise RequestError(f"prompts[{i}]: {e}") from None
         engine = self.engine
         groups = []  # per prompt: its sub-requests (n of them)
-        for (text, ids), sp in zip(parsed, params):
+        for (text, ids), sp, salt in zip(parsed, params, salts):
             subs = []
             for j in range(sp.n):
                 sub = sp if sp.n == 1 else dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
-                subs.append(engine.add_request(ids, sub))
+                subs.append(engine.add_request(ids, sub, cache_salt=salt))
             groups.append((text, subs))
         bar = None
         if use_tqdm:

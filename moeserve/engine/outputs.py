@@ -34,3 +34,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first scheduled

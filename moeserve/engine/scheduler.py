@@ -8,6 +8,10 @@ decodes together. When a running request needs a page and none is free, the most
 running request is preempted: its pages are freed and it goes back to the front of the queue to be
 recomputed from its tokens later. Its tokens so far are kept, so preemption never changes them.
 
+Pages are the KV-cache manager's (``moeserve.engine.kv_cache``): with prefix caching a request admitted from
+the queue first takes the cached pages its tokens start with and computes only the rest, and every full page
+of computed tokens whose ids the host has is registered in the cache.
+
 A step's life here has two halves: ``advance`` when it is launched (the fed tokens count as computed, and
 each sampling request gets one in-flight token) and ``receive`` when its sampled tokens reach the host.
 With asynchronous scheduling the next step is scheduled between the two, planning around the in-flight
@@ -20,7 +24,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from moeserve.engine.kv_cache import PagePool
+from moeserve.engine.kv_cache import KVCacheManager
 from moeserve.engine.sequence import Sequence, Status
 from moeserve.engine.step import ScheduledRequest, StepInput, is_decode
 
@@ -76,7 +80,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, pool: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -105,6 +109,7 @@ class Scheduler:
         if seq.pages:
             self.pool.free(seq.pages)
             seq.pages = []
+        seq.num_registered = 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -147,18 +152,43 @@ class Scheduler:
                 i += 1
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]
-                n = min(seq.num_pending, budget)
-                if not self._grow(seq, n):
+                seq = self.waiting[0]  # no pages, nothing computed (new or preempted)
+                cached = self._cached_prefix(seq)
+                start = len(cached) * self.pool.page_size
+                n = min(seq.num_tokens - start, budget)
+                need = self.pool.pages_for(start + n) - len(cached)
+                if need > self.pool.free_after_taking(cached):
                     break
+                self.pool.take(cached)
+                seq.pages = cached + self.pool.allocate(need)
+                seq.num_computed, seq.num_registered = start, len(cached)
                 self.waiting.popleft()
                 seq.status = Status.RUNNING
                 if seq.timing.first_scheduled is None:
                     seq.timing.first_scheduled = time.perf_counter()
+                    seq.num_cached_tokens = start
+                    self.pool.record_query(seq.num_prompt_tokens, start)
                 self.running.append(seq)
-                out.items.append(ScheduledSeq(seq, seq.num_computed, n))
+                out.items.append(ScheduledSeq(seq, start, n))
                 budget -= n
         return out
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached pages ``seq``'s tokens start with, leaving at least one token to compute."""
+        if not self.pool.enable_caching:
+            return []
+        ps = self.pool.page_size
+        return self.pool.match(seq.full_page_hashes(ps), (seq.num_tokens - 1) // ps)
+
+    def _register(self, seq: Sequence) -> None:
+        """Make ``seq``'s full pages of computed tokens whose ids the host has findable in the cache."""
+        if not self.pool.enable_caching:
+            return
+        ps = self.pool.page_size
+        upto = min(seq.num_computed, seq.num_resolved) // ps
+        if upto > seq.num_registered:
+            self.pool.register(seq.pages, seq.full_page_hashes(ps)[:upto], seq.num_registered)
+            seq.num_registered = upto
 
     def advance(self, out: SchedulerOutput) -> None:
         """The step of ``out`` is launched: its tokens count as computed; each sampling request has one more
@@ -170,6 +200,7 @@ class Scheduler:
                 item.seq.num_inflight += 1
                 item.seq.last_row = row
                 row += 1
+            self._register(item.seq)
 
     def receive(self, out: SchedulerOutput, sampled: list[int | None], now: float | None = None) -> list[Sequence]:
         """The tokens of the step of ``out`` arrive (``None`` where a request did not sample); returns the
@@ -182,6 +213,7 @@ class Scheduler:
                 continue
             seq.receive_token(token, now)
             got.append(seq)
+            self._register(seq)
             if seq.finish_reason is not None:
                 self.finish(seq, now)
         return got

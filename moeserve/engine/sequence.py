@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from moeserve.engine.kv_cache import page_hash
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.engine.step import SamplingRow
 
@@ -39,7 +40,7 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: tuple[int, ...] = (), max_model_len: int = 1 << 30):
+                 eos_token_ids: tuple[int, ...] = (), max_model_len: int = 1 << 30, cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -54,6 +55,13 @@ class Sequence:
         self.timing = Timing()
         self.num_inflight = 0  # sampled tokens not yet on the host
         self.last_row = -1  # row of the newest in-flight token in its step's sampled tokens
+        # prefix caching: the chained hashes of its full pages of known tokens, how many of its pages are
+        # registered in the cache, the salt that keeps its cache entries apart, and the prompt tokens it found
+        # cached when first scheduled
+        self.cache_salt = cache_salt
+        self.page_hashes: list[bytes] = []
+        self.num_registered = 0
+        self.num_cached_tokens = 0
 
     # --- sizes ---------------------------------------------------------------------------------
     @property
@@ -88,6 +96,14 @@ class Sequence:
     @property
     def num_pending(self) -> int:
         return self.num_tokens - self.num_computed
+
+    def full_page_hashes(self, page_size: int) -> list[bytes]:
+        """The chained hashes of its full pages whose tokens are all on the host (extended as tokens arrive)."""
+        hashes = self.page_hashes
+        for i in range(len(hashes), self.num_resolved // page_size):
+            tokens = self.token_slice(i * page_size, (i + 1) * page_size)
+            hashes.append(page_hash(hashes[-1] if hashes else None, tokens, self.cache_salt if i == 0 else None))
+        return hashes
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Token ids ``[start, end)``; only resolved tokens have ids on the host."""

@@ -178,3 +178,32 @@ def test_bad_cases_name_the_problem():
         WorkloadCase("chat", 1, 4, 4)
     with pytest.raises(ValueError, match="output_len"):
         WorkloadCase("decode", 1, 4, 1)
+
+
+def test_shared_prefix_requests_reuse_the_same_system_prompts_in_every_run():
+    from moeserve.bench.workloads import WorkloadCase, make_requests
+    case = WorkloadCase("shared-prefix", 4, 8, 3, prefix_len=32, prefix_groups=2, num_requests=10)
+    runs = [make_requests(case, i, 1000) for i in (-1, 0)]
+    prefixes = {tuple(r.prompt[:32]) for reqs in runs for r in reqs}
+    assert len(prefixes) == 2  # the same two system prompts in the warm-up and the timed run
+    assert all(len(r.prompt) == 40 and r.max_tokens == 3 for reqs in runs for r in reqs)
+    assert [r.prompt[32:] for r in runs[0]] != [r.prompt[32:] for r in runs[1]]  # fresh suffixes per run
+    assert len(runs[0]) == 10
+
+
+def test_shared_prefix_on_the_engine_reports_the_hit_rate_and_keeps_c_in_flight():
+    """The tiny model through the real engine with prefix caching: after a warm-up run the system prompts are
+    cached, so every timed request finds its prefix's full pages (prefix 32 tokens = 8 pages of 4)."""
+    from moeserve.bench.engine_driver import MoeserveAdapter
+    from moeserve.bench.workloads import WorkloadCase, run_case
+    from moeserve.engine.engine import LLMEngine
+    from moeserve.config import make_config
+    engine = LLMEngine(make_config(model="tiny", page_size=4, max_model_len=128, max_num_seqs=4,
+                                   max_num_batched_tokens=64, enable_prefix_caching=True))
+    case = WorkloadCase("shared-prefix", 3, 5, 3, prefix_len=32, prefix_groups=2, num_requests=7)
+    row = run_case(MoeserveAdapter(engine), case, engine.arch.vocab_size, runs=1, warmup_runs=1)
+    assert row["prefix_hit_rate"] == pytest.approx(7 * 32 / (7 * 37))
+    assert row["ttft_s"] > 0 and row["total_tok_s"] > 0
+    reqs = row["runs"][0]["requests"]
+    assert len(reqs) == 7 and sum(1 for r in reqs if r["initial"]) == 3
+    assert engine.pool.num_free == engine.pool.capacity

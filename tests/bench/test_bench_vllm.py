@@ -35,7 +35,7 @@ class RequestOutput:
 class LLMEngine:
     @classmethod
     def from_engine_args(cls, args, usage_context=None):
-        assert usage_context == "LLM_CLASS" and args.kw["skip_tokenizer_init"] and not args.kw["enable_prefix_caching"]
+        assert usage_context == "LLM_CLASS" and args.kw["skip_tokenizer_init"]
         if args.kw.get("attention_backend") == "FLASHINFER":
             print("INFO [engine.py] waiting forever", flush=True)
             time.sleep(3600)
@@ -180,3 +180,10 @@ def test_startup_worker_times_vllm_to_its_first_token(fake_vllm, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert state["status"] == "done" and state["versions"]["vllm"] == "0.0.fake"
     assert 0 <= state["ready_seconds"] <= state["first_token_seconds"] and state["ttft_seconds"] >= 0
+
+
+def test_vllm_follows_the_prefix_caching_setting_of_the_run(tmp_path):
+    for on in (True, False):
+        cfg = make_config(model="tiny", max_model_len=256, enable_prefix_caching=on)
+        model_dir, fmt = hf_model_dir(cfg, resolve_model_source("tiny"), tmp_path)
+        assert shared_engine_args(cfg, model_dir, fmt, "bfloat16", 256, 0.5)["enable_prefix_caching"] is on

@@ -1,7 +1,8 @@
 """Page pool and scheduler: budgets, chunking, mixed steps, max_num_seqs, preemption, pool back to full."""
 import pytest
 
-from moeserve.engine.kv_cache import OutOfPages, PagePool
+from moeserve.engine.kv_cache import KVCacheManager as PagePool
+from moeserve.engine.kv_cache import OutOfPages
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.engine.scheduler import Scheduler
 from moeserve.engine.sequence import Sequence
@@ -76,7 +77,7 @@ def test_max_num_seqs_limits_running():
 
 
 def test_preemption_frees_pages_and_recomputes():
-    pool = PagePool(7, 4)  # 6 usable pages = 24 tokens
+    pool = PagePool(7, 4, enable_caching=False)  # 6 usable pages = 24 tokens; recompute everything
     s = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64)
     a, b = seq(0, 8, max_tokens=8), seq(1, 8, max_tokens=8)  # each needs 16 tokens = 4 pages at the end
     s.add(a)
@@ -128,3 +129,28 @@ def test_batch_builder_marks_only_sampling_rows():
     assert not batch.attn.is_decode or all(i.start > 0 for i in items)
     assert batch.attn.slot_mapping.tolist() == [a.pages[1] * 4 + 0, b.pages[0] * 4 + 3]
     assert batch.attn.kv_last_page_len.tolist() == [1, 4]
+
+
+def test_a_preempted_request_comes_back_on_its_cached_pages():
+    """With prefix caching, the victim's full pages stay cached after preemption: it is re-admitted at the
+    end of its cached full pages (here all of its computed tokens) instead of position 0."""
+    pool = PagePool(7, 4)
+    s = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = seq(0, 8, max_tokens=8), seq(1, 8, max_tokens=8)
+    s.add(a)
+    s.add(b)
+    seen, resumed = [], None
+    while s.has_unfinished():
+        out = s.schedule()
+        if out.preempted:
+            assert out.preempted == [b]
+            computed = seen[-1][0] + seen[-1][1]  # b's tokens in the cache when it was preempted
+        for it in out.items:
+            if it.seq is b:
+                if b.num_preemptions and resumed is None:
+                    resumed = it.start
+                seen.append((it.start, it.num_tokens))
+        s.update(out, [7 if it.samples else None for it in out.items])
+    assert b.num_preemptions == 1 and resumed == computed // 4 * 4 > 0
+    assert len(a.output_token_ids) == len(b.output_token_ids) == 8
+    assert pool.num_free == pool.capacity and pool.queries == 16 and pool.hits == 0  # hits: first admissions only
