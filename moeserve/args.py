@@ -26,6 +26,10 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
         g.add_argument(flag, dest=f"cfg_{field}", type=typ, default=None, metavar=field.upper())
     g.add_argument("--enforce-eager", action="store_true", default=None, dest="cfg_enforce_eager",
                    help="no CUDA graphs")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   dest="cfg_enable_prefix_caching", help="reuse the KV pages of prompt prefixes (default: on)")
+    g.add_argument("--allow-jit", action=argparse.BooleanOptionalAction, default=None, dest="cfg_allow_jit",
+                   help="compile kernels missing from kernel_cache_dir on first use (default) or refuse them at start")
     g.add_argument("--cuda-graph-batch-sizes", type=int, nargs="*", dest="cfg_cuda_graph_batch_sizes",
                    metavar="N", help="decode batch sizes to capture")
     g.add_argument("--backend", action="append", default=[], metavar="OP=NAME",

@@ -145,8 +145,12 @@ class EngineConfig(_Strict):
     kv_cache_gb: float | None = Field(None, gt=0)
     num_kv_pages: int | None = Field(None, ge=1)
 
-    # A FlashInfer kernel cache made by `moeserve precompile` (used as FLASHINFER_WORKSPACE_BASE).
+    # A kernel cache made by `moeserve precompile`: FlashInfer modules (used as FLASHINFER_WORKSPACE_BASE) and
+    # Triton kernels (its triton/ folder becomes Triton's cache).
     kernel_cache_dir: str | None = None
+    # false: a FlashInfer module or Triton kernel missing from the kernel cache is refused by name at start (and
+    # never compiled inside a request); true: it compiles on first use, logged
+    allow_jit: bool = True
 
     cuda_graph_batch_sizes: list[int] | None = None
     enforce_eager: bool = False

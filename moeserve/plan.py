@@ -43,6 +43,61 @@ class RuntimePlan:
         """Whether the config named this operator's backend (rather than ``auto``)."""
         return getattr(self.config.backends, op) != "auto"
 
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens one step can feed the model."""
+        return max(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+
+    def flashinfer_modules(self, arch=None) -> list:
+        """The FlashInfer JIT modules this plan's backends load (``KernelModule`` list, each once), for the GPU
+        architecture ``arch`` (default: the plan's device)."""
+        from moeserve.kernel_cache.layout import parse_arch
+        from moeserve.kernel_cache.modules import Target
+        if arch is None:
+            arch = parse_arch(self.hardware.gpus[self.device.index or 0].arch)
+        m = self.arch
+        target = Target(arch, self.dtype, self.kv_dtype, m.num_heads, m.num_kv_heads, m.head_dim, self.quantization,
+                        m.num_experts, m.routing)
+        out, seen = [], set()
+        for op in backends.OPERATORS:
+            fn = self.backends[op].flashinfer_modules
+            for mod in backends.load_target(fn)(target) if fn else []:
+                if (mod.gen, mod.args) not in seen:
+                    seen.add((mod.gen, mod.args))
+                    out.append(mod)
+        return out
+
+    def triton_fingerprint(self, device_name: str) -> dict:
+        """What decides the Triton kernels this plan launches (``moeserve.kernel_cache.triton_cache``): the MoE
+        shapes, routing, dtypes, the largest step, the GPU's tuned-config name and the kernels' source."""
+        from moeserve.ops.moe.routing_triton import METHODS
+        m = self.arch
+        moe = self.backends["moe"].name == "triton"
+        routing = self.backends["routing"].name == "fused" and m.routing.method in METHODS
+        gated = bool(m.shared_expert_intermediate_size and m.shared_expert_gate)
+        return {"kernels": moe or routing, "moe": moe, "routing": m.routing.method if routing else None,
+                "renormalize": m.routing.renormalize, "hidden_size": m.hidden_size, "num_experts": m.num_experts,
+                "moe_intermediate_size": m.moe_intermediate_size, "top_k": m.top_k,
+                "shared_expert": bool(m.shared_expert_intermediate_size),
+                "shared_gate": ("router" if not m.router_fp32 else "linear") if gated else None,
+                "router_dtype": "float32" if m.router_fp32 else str(self.dtype).removeprefix("torch."),
+                "dtype": str(self.dtype).removeprefix("torch."), "quantization": self.quantization,
+                "device_name": device_name, "code": triton_source_digest(), "max_tokens": self.max_step_tokens}
+
+
+def triton_source_digest() -> str:
+    """sha256 (16 hex digits) of moeserve's Triton kernel sources: an edit invalidates their cache entries."""
+    import hashlib
+    from pathlib import Path
+
+    import moeserve.ops.moe as moe_pkg
+    h = hashlib.sha256()
+    for f in sorted(Path(moe_pkg.__file__).parent.glob("*.py")):
+        text = f.read_bytes()
+        if b"@triton.jit" in text:
+            h.update(f.name.encode() + b"\0" + text)
+    return h.hexdigest()[:16]
+
 
 def resolve_plan(cfg: EngineConfig, hw: HardwareInfo | None = None, device: torch.device | None = None,
                  source: ModelSource | None = None, with_backends: bool = True) -> RuntimePlan:

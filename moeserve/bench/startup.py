@@ -11,8 +11,10 @@ ready engine and to the first token of one short request (1 output token):
 - ``vllm-cold`` / ``vllm-warm``: vLLM's ``LLM`` on the same model with dummy weights; cold has a new
   ``VLLM_CACHE_ROOT``, FlashInfer workspace and Triton cache, warm starts again on them.
 
-moeserve rows say how many FlashInfer modules compiled and for how long. The result (``kind: startup``)
-is written after every mode (``startup.partial.json``), so a run stopped half-way keeps what it measured.
+moeserve rows say how many FlashInfer modules and Triton kernels compiled and for how long. After the first
+token each start serves, at each ``--concurrency``, a first batch of new prompts and a second one: the first
+request's TTFT at that size against the steady state (``probe`` rows). The result (``kind: startup``) is
+written after every mode (``startup.partial.json``), so a run stopped half-way keeps what it measured.
 """
 from __future__ import annotations
 
@@ -47,9 +49,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-vllm", action="store_true", help="no vLLM rows")
     g.add_argument("--timeout", type=float, default=900.0, metavar="S", help="per start (default 900)")
     g.add_argument("--time-budget", type=float, metavar="S", help="stop starting new modes after this many seconds")
-    g.add_argument("--prompt-len", type=int, default=16, help="prompt tokens of the one request (default 16)")
+    g.add_argument("--prompt-len", type=int, default=16, help="prompt tokens of each request (default 16)")
+    g.add_argument("--concurrency", default="1,8,32", metavar="C,...",
+                   help="batch sizes whose first-request TTFT is compared with the steady state (default 1,8,32)")
     g.add_argument("--strict-cache", action="store_true",
-                   help="FLASHINFER_DISABLE_JIT=1 in the cache and warm modes: fail instead of compiling")
+                   help="allow_jit: false in the cache and warm modes: refuse to start, or fail, instead of compiling")
     g.add_argument("--output-dir", metavar="DIR", help="default: bench.output_dir/startup-<timestamp>")
     g.add_argument("--keep-temp", action="store_true", help="keep the per-mode cache directories")
     g.add_argument("--merge", action="append", default=[], metavar="STARTUP.json",
@@ -147,6 +151,16 @@ def entry_from_state(mode: str, state: dict, wall: float, stopped: str | None, p
         d = state.get("describe") or {}
         entry["startup"] = {k: d.get(k) for k in ("init_seconds", "load_seconds", "graph_capture_seconds",
                                                   "ready_seconds")}
+    if not mode.startswith("vllm"):
+        triton = state.get("triton_events") or state.get("triton_events_at_ready") or []
+        compiled = [e for e in triton if e.get("compiled")]
+        row.update(triton_kernels_compiled=len(compiled))
+        entry["triton"] = {"kernels": len(triton), "compiled": [e["name"] for e in compiled],
+                           "summary": state.get("triton") or state.get("triton_at_ready")}
+    for p in state.get("probes") or []:
+        entry["results"].append({"workload": "first-request", "concurrency": p["concurrency"],
+                                 "prompt_len": prompt_len, "output_len": 1, "ttft_s": p["first_ttft_s"],
+                                 "steady_ttft_s": p["steady_ttft_s"], "first_over_steady": p["first_over_steady"]})
     if first is None:
         entry["notes"] = [f"no first token: {stopped or state.get('reason')}"]
     return entry
@@ -253,7 +267,8 @@ def run(args) -> int:
                                      "before it in the same run (e.g. --modes cache,warm)")
             else:
                 spec = {"engine": "vllm" if mode.startswith("vllm") else "moeserve", "mode": mode,
-                        "prompt_token_ids": ids}
+                        "prompt_token_ids": ids, "vocab_size": arch.vocab_size,
+                        "concurrency": [int(c) for c in args.concurrency.split(",") if c.strip()]}
                 config = cfg.model_dump(exclude_unset=True)
                 if mode == "cold":
                     env = dirs["cold"] = fresh("cold")
@@ -281,6 +296,7 @@ def run(args) -> int:
                         cfg.bench.vllm.gpu_memory_utilization)
                 if args.strict_cache and mode in ("cache", "warm"):
                     env = dict(env, FLASHINFER_DISABLE_JIT="1")
+                    config["allow_jit"] = False
                 spec["config"] = config
                 extra["caches"] = env
                 print(f"[startup] {LABELS[mode]}: starting (timeout {timeout:.0f} s)", flush=True)
@@ -320,4 +336,8 @@ def _say_entry(e: dict) -> None:
     fi = e.get("flashinfer") or {}
     first = f"{r['first_token_s']:.1f} s" if r.get("first_token_s") is not None else "-"
     note = f"; {fi.get('summary')}" if fi.get("summary") else ""
+    note += f"; {e['triton']['summary']}" if (e.get("triton") or {}).get("summary") else ""
+    for p in e["results"][1:]:
+        note += (f"; c={p['concurrency']} first TTFT {p['ttft_s'] * 1e3:.1f} ms vs steady "
+                 f"{p['steady_ttft_s'] * 1e3:.1f} ms")
     print(f"[startup] {e['label']}: ready {r['ready_s']:.1f} s, first token {first}{note}", flush=True)

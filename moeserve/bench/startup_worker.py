@@ -3,8 +3,11 @@
 Starts moeserve's ``LLMEngine`` or vLLM's ``LLM`` in this fresh process, then serves one request (a short
 token-id prompt, one output token). Times are seconds since this module began executing: ``import_seconds``
 (moeserve/torch or vLLM imported), ``ready_seconds`` (engine constructed), ``first_token_seconds`` (the
-request's token back); ``ttft_seconds`` is the request alone. For moeserve it also records every
-FlashInfer module load (``moeserve.kernel_cache.jit_events``): which compiled and for how long.
+request's token back); ``ttft_seconds`` is the request alone. Then, for each concurrency ``c`` of
+``spec["concurrency"]``, a batch of ``c`` new prompts (first request at that size: whatever the engine still had
+to compile or build for it lands here) and a second batch of new prompts (steady state): ``probes``. For
+moeserve it also records every FlashInfer module load (``moeserve.kernel_cache.jit_events``) and every Triton
+kernel compile (``moeserve.kernel_cache.triton_cache``): which compiled and for how long.
 
 The state file is rewritten at each phase (``status``: importing, starting, ready, done, failed), so the
 parent keeps what was measured when it has to stop a start that takes too long.
@@ -37,9 +40,46 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def batch_ttft(adapter, prompts: list[list[int]], tag: str) -> float:
+    """Seconds until every one of ``prompts`` (added at once, one output token each) has its token."""
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        adapter.add(f"{tag}-{i}", p, 1)
+    pending = {f"{tag}-{i}" for i in range(len(prompts))}
+    while pending:
+        for rid, n, done in adapter.step():
+            if n >= 1 or done:
+                pending.discard(rid)
+    _sync()
+    return round(time.perf_counter() - t0, 4)
+
+
+def run_probes(adapter, spec: dict, vocab: int) -> list[dict]:
+    """For each concurrency: the TTFT of the first batch of that size and of a second one (steady state)."""
+    import random
+    rng = random.Random(0)
+    n = len(spec["prompt_token_ids"])
+    rows = []
+    for c in spec.get("concurrency", []):
+        batches = [[[rng.randrange(10, max(11, vocab)) for _ in range(n)] for _ in range(c)] for _ in range(2)]
+        first = batch_ttft(adapter, batches[0], f"first-c{c}")
+        steady = batch_ttft(adapter, batches[1], f"steady-c{c}")
+        rows.append({"concurrency": c, "first_ttft_s": first, "steady_ttft_s": steady,
+                     "first_over_steady": round(first / steady, 3) if steady else None})
+    return rows
+
+
+def compile_counts() -> dict:
+    from moeserve.kernel_cache import jit_events, startup_summary
+    from moeserve.kernel_cache.triton_cache import triton_events, triton_summary
+    return {"jit_events": jit_events(), "flashinfer": startup_summary(), "triton_events": triton_events(),
+            "triton": triton_summary()}
+
+
 def run_moeserve(spec: dict, out: Path, state: dict) -> None:
     import torch  # noqa: F401
-    from moeserve import kernels
+
+    from moeserve.bench.engine_driver import MoeserveAdapter
     from moeserve.config import EngineConfig
     from moeserve.engine.engine import LLMEngine
     from moeserve.engine.sampling_params import SamplingParams
@@ -47,9 +87,11 @@ def run_moeserve(spec: dict, out: Path, state: dict) -> None:
     state.update(status="starting", import_seconds=since_start())
     write_state(out, state)
     engine = LLMEngine(EngineConfig(**spec["config"]))
+    at_ready = compile_counts()
     state.update(status="ready", ready_seconds=since_start(), describe=engine.describe(),
                  kernel_cache=getattr(engine.runner, "kernel_cache", None),
-                 jit_events_at_ready=kernels.jit_events(), flashinfer_at_ready=kernels.startup_summary())
+                 jit_events_at_ready=at_ready["jit_events"], flashinfer_at_ready=at_ready["flashinfer"],
+                 triton_events_at_ready=at_ready["triton_events"], triton_at_ready=at_ready["triton"])
     write_state(out, state)
     t_req = time.perf_counter()
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -57,8 +99,10 @@ def run_moeserve(spec: dict, out: Path, state: dict) -> None:
     while engine.has_unfinished():
         engine.step()
     _sync()
-    state.update(status="done", first_token_seconds=since_start(), ttft_seconds=round(time.perf_counter() - t_req, 3),
-                 jit_events=kernels.jit_events(), flashinfer=kernels.startup_summary())
+    state.update(first_token_seconds=since_start(), ttft_seconds=round(time.perf_counter() - t_req, 3))
+    write_state(out, state)
+    state.update(status="done", probes=run_probes(MoeserveAdapter(engine), spec, engine.arch.vocab_size),
+                 **compile_counts())
 
 
 def run_vllm(spec: dict, out: Path, state: dict) -> None:
@@ -79,7 +123,9 @@ def run_vllm(spec: dict, out: Path, state: dict) -> None:
     while not any(done or n >= 1 for _, n, done in engine.step()):
         pass
     _sync()
-    state.update(status="done", first_token_seconds=since_start(), ttft_seconds=round(time.perf_counter() - t_req, 3))
+    state.update(first_token_seconds=since_start(), ttft_seconds=round(time.perf_counter() - t_req, 3))
+    write_state(out, state)
+    state.update(status="done", probes=run_probes(engine, spec, spec.get("vocab_size", 32000)))
 
 
 def run(spec: dict, out: Path) -> int:
@@ -91,8 +137,7 @@ def run(spec: dict, out: Path) -> int:
         state.update(status="failed", reason=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc(limit=20))
         if spec["engine"] == "moeserve":
             try:
-                from moeserve import kernels
-                state.update(jit_events=kernels.jit_events(), flashinfer=kernels.startup_summary())
+                state.update(compile_counts())
             except Exception:  # noqa: BLE001
                 pass
         write_state(out, state)

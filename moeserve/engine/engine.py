@@ -70,8 +70,8 @@ class LLMEngine:
                  self.ready_seconds, self.source.name, self.runner.device, str(self.runner.dtype).removeprefix("torch."),
                  self.runner.backend_names, self.pool.capacity, self.pool.page_size)
         if self.runner.device.type == "cuda":
-            from moeserve.kernel_cache import startup_summary
-            log.info("%s", startup_summary())
+            from moeserve.engine.kernels import kernels_summary
+            log.info("%s", kernels_summary())
 
     # --- requests ------------------------------------------------------------------------------
     def new_request_id(self) -> str:

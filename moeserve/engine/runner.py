@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.engine.batch import BatchBuilder
+from moeserve.engine.kernels import prepare_kernels
 from moeserve.engine.step import SamplingRow, ScheduledRequest, StepInput, StepOutput
 from moeserve.models.layers import MoECausalLM, Ops
 from moeserve.ops.kv_cache import KVCache
@@ -51,10 +52,7 @@ class ModelRunner:
         self.quantization, self.max_model_len = plan.quantization, plan.max_model_len
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.kernel_cache = None
-        if cfg.kernel_cache_dir is not None:
-            from moeserve.kernel_cache import use_kernel_cache
-            self.kernel_cache = use_kernel_cache(cfg.kernel_cache_dir, plan.hardware)
+        self.kernel_cache = prepare_kernels(plan)
         self.backend_names = plan.backend_names
         self.ops = self._build_ops()
 

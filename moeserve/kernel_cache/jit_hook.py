@@ -36,6 +36,13 @@ _events: list[dict] = []
 _lock = threading.Lock()
 _cache: dict | None = None  # {"root": Path, "modules": {name: entry}, "verified": {name: Path | None}}
 _installed = False
+_allow_jit = True
+
+
+def set_allow_jit(allow: bool) -> None:
+    """With ``False``, a FlashInfer module that is not in the kernel cache is refused by name, not compiled."""
+    global _allow_jit
+    _allow_jit = allow
 
 
 # --- events ----------------------------------------------------------------------------------------
@@ -204,6 +211,10 @@ def wrap_build_and_load(original):
             record(name, False, time.perf_counter() - t0, "flashinfer-jit-cache")
             return module
         compiling = needs_build(self)
+        if compiling and not _allow_jit:
+            from moeserve.kernel_cache.layout import KernelCacheError
+            record(name, False, 0.0, "refused")
+            raise KernelCacheError(f"FlashInfer module {name} is not in the kernel cache and allow_jit is false")
         if compiling and os.environ.get("FLASHINFER_DISABLE_JIT"):
             log.error("FlashInfer: %s is not in the kernel cache and FLASHINFER_DISABLE_JIT is set: not compiling it",
                       name)

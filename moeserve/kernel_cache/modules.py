@@ -51,6 +51,17 @@ def dtype_arg(dtype: torch.dtype) -> str:
     return str(dtype)  # "torch.bfloat16"
 
 
+def make_spec(module: KernelModule | dict):
+    """The FlashInfer ``JitSpec`` a module describes (imports FlashInfer's JIT generators)."""
+    import importlib
+    m = module.to_json() if isinstance(module, KernelModule) else module
+    mod_name, fn_name = m["gen"].split(":")
+    fn = getattr(importlib.import_module(mod_name), fn_name)
+    args = [getattr(torch, a.removeprefix("torch.")) if isinstance(a, str) and a.startswith("torch.") else a
+            for a in m.get("args", ())]
+    return fn(*args)
+
+
 def short_dtype(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
             torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}.get(dtype, str(dtype).removeprefix("torch."))

@@ -19,7 +19,6 @@ single-file modules fill the cores a large module leaves idle.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 import threading
@@ -28,6 +27,7 @@ import traceback
 from pathlib import Path
 
 from moeserve.kernel_cache.layout import cached_status, sha256_file
+from moeserve.kernel_cache.modules import make_spec
 
 EVENT_PREFIX = "@@moeserve "
 _emit_lock = threading.Lock()
@@ -37,19 +37,6 @@ def emit(event: dict) -> None:
     with _emit_lock:
         sys.stdout.write(EVENT_PREFIX + json.dumps(event) + "\n")
         sys.stdout.flush()
-
-
-def _arg(value):
-    import torch
-    if isinstance(value, str) and value.startswith("torch."):
-        return getattr(torch, value.removeprefix("torch."))
-    return value
-
-
-def make_spec(module: dict):
-    mod_name, fn_name = module["gen"].split(":")
-    fn = getattr(importlib.import_module(mod_name), fn_name)
-    return fn(*[_arg(a) for a in module.get("args", ())])
 
 
 def failure_reason(exc: BaseException) -> tuple[str, str]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.backends import OPERATORS, load_target
 from moeserve.config import EngineConfig
 from moeserve.hardware import GPUInfo, HardwareInfo
 from moeserve.kernel_cache.layout import Arch, parse_arch
@@ -44,18 +43,7 @@ def target_for_config(cfg: EngineConfig, arch: Arch | str) -> tuple[Target, dict
 def modules_for_config(cfg: EngineConfig, arch: Arch | str) -> list[KernelModule]:
     """Every FlashInfer JIT module the engine configured by ``cfg`` loads on ``arch``, each once."""
     arch = parse_arch(arch) if isinstance(arch, str) else arch
-    plan = plan_for_arch(cfg, arch)
-    target = _target(plan, arch)
-    out: list[KernelModule] = []
-    seen: set[tuple] = set()
-    for op in OPERATORS:
-        fn_name = plan.backends[op].flashinfer_modules
-        for m in load_target(fn_name)(target) if fn_name else []:
-            ident = (m.gen, m.args)
-            if ident not in seen:
-                seen.add(ident)
-                out.append(m)
-    return out
+    return plan_for_arch(cfg, arch).flashinfer_modules(arch)
 
 
 def select_modules(modules: list[KernelModule], keys: str | None) -> list[KernelModule]:

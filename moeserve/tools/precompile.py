@@ -1,5 +1,5 @@
-"""``moeserve precompile``: build, ahead of time and without a GPU, the FlashInfer modules an engine
-configuration loads, into a kernel cache directory a GPU machine then uses as is.
+"""``moeserve precompile``: build, ahead of time and without a GPU, the FlashInfer modules and the Triton kernels
+an engine configuration loads, into a kernel cache directory a GPU machine then uses as is.
 
     moeserve precompile --model qwen1.5-moe-a2.7b --arch 9.0a --out kernel-cache
 
@@ -54,6 +54,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "GPU machine (the build tree keeps object files and sources too)")
     g.add_argument("--dry-run", action="store_true", help="list the modules and their cache status; build nothing")
     g.add_argument("--timeout", type=float, default=None, metavar="S", help="give up after this many seconds")
+    g.add_argument("--no-triton", action="store_true", help="build the FlashInfer modules only, not the Triton kernels")
+    g.add_argument("--target-python", metavar="X.Y", default=None,
+                   help="the Python version of the GPU machine (Triton's cache keys depend on it; default: this one)")
+    g.add_argument("--device-name", metavar="NAME", default=None,
+                   help="the GPU whose tuned MoE tables the Triton kernels use (default for 9.0a: NVIDIA_H200)")
 
 
 def resolve_arch(arg: str | None, cfg_arch: str | None) -> Arch:
@@ -149,7 +154,7 @@ def run(args) -> int:
     out = Path(args.out).expanduser().resolve()
     if not modules:
         con.print(f"{cfg.model} on {arch.name} loads no FlashInfer JIT modules (no operator uses a flashinfer backend)")
-        return 0
+        return run_triton(args, cfg, arch, out, con)
     out.mkdir(parents=True, exist_ok=True)
     git = flashinfer_git_version()
     try:
@@ -289,4 +294,46 @@ def run(args) -> int:
              [m.key for m in modules if m.key not in rows]
     if failed:
         con.print(f"[red]not built: {', '.join(failed)}[/red]" + (f" (logs in {log_dir})" if log_dir.is_dir() else ""))
-    return 1 if failed or rc != 0 else 0
+    triton_rc = run_triton(args, cfg, arch, out, con)
+    return 1 if failed or rc != 0 or triton_rc else 0
+
+
+def run_triton(args, cfg, arch: Arch, out: Path, con) -> int:
+    """The Triton kernels of ``cfg``: listed (``--dry-run``) or compiled into ``out/triton`` (and exported)."""
+    if args.no_triton:
+        return 0
+    from rich.table import Table
+
+    from moeserve.kernel_cache.triton_cache import TRITON_DIR
+    from moeserve.tools import triton_aot
+    from moeserve.tools.modules import plan_for_arch
+    plan = plan_for_arch(cfg, arch)
+    device_name = args.device_name or triton_aot.DEFAULT_DEVICE_NAMES.get(arch.capability)
+    if device_name is None:
+        print(f"error: --device-name is needed for {arch.name} (the GPU whose tuned MoE tables to use, e.g. "
+              "NVIDIA_H100_80GB_HBM3)", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        import tempfile
+        with tempfile.TemporaryDirectory() as scratch:
+            kernels = triton_aot.list_kernels(plan, arch.capability, device_name, Path(scratch))
+        table = Table(title=f"Triton kernels for {cfg.model} on {arch.name} ({device_name}), steps of 1 to "
+                            f"{plan.max_step_tokens} tokens")
+        for col in ("kernel", "constants", "warps", "stages"):
+            table.add_column(col)
+        for k in kernels:
+            table.add_row(k["name"], " ".join(f"{n}={v}" for n, v in k["constants"].items()),
+                          str(k["num_warps"]), str(k["num_stages"] if k["num_stages"] is not None else "-"))
+        con.print(table)
+        return 0
+    try:
+        triton_aot.build(plan, out, arch.capability, device_name, args.target_python, log=con.print)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.export and (out / TRITON_DIR).is_dir():
+        import shutil
+        dest = Path(args.export).expanduser().resolve() / TRITON_DIR
+        shutil.copytree(out / TRITON_DIR, dest, dirs_exist_ok=True)
+        con.print(f"exported the Triton kernels to {dest} ({_fmt_bytes(triton_aot.size_bytes(dest))})")
+    return 0

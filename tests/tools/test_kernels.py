@@ -505,3 +505,17 @@ def test_flashinfer_attention_is_refused_for_head_sizes_its_kernels_do_not_serve
         registry.resolve("attention", "flashinfer", hw, cuda, torch.bfloat16, head_dim=16)
     keys = [m.key for m in modules_for_config(make_config(model="tiny"), "9.0a")]
     assert "prefill" not in keys and "decode" not in keys and "norm" in keys
+
+
+def test_a_flashinfer_module_missing_from_the_cache_is_refused_by_name_when_jit_is_not_allowed(tmp_path, clean_hook):
+    manifest = fake_cache(tmp_path, names=("norm",))
+    jit_hook.set_kernel_cache(tmp_path, manifest)
+    wrapped = jit_hook.wrap_build_and_load(lambda spec: f"built:{spec.name}")
+    jit_hook.set_allow_jit(False)
+    try:
+        assert wrapped(FakeSpec("norm", tmp_path / "elsewhere")) == "module:norm"  # in the cache: loads
+        with pytest.raises(KernelCacheError, match="FlashInfer module rope is not in the kernel cache and allow_jit is false"):
+            wrapped(FakeSpec("rope", tmp_path / "jit"))
+    finally:
+        jit_hook.set_allow_jit(True)
+    assert wrapped(FakeSpec("rope", tmp_path / "jit")) == "built:rope"

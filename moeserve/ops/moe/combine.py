@@ -56,7 +56,7 @@ def combine_reference(down: torch.Tensor, top_k: int, shared: SharedExpertOutput
 def moe_combine(down: torch.Tensor, top_k: int, shared: SharedExpertOutput | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """``down`` ``[T * k, H]`` (the routed experts' weighted outputs, token-major) -> ``[T, H]``."""
-    if not down.is_cuda:
+    if down.device.type == "cpu":
         return combine_reference(down, top_k, shared, out)
     from moeserve.ops.moe.combine_triton import moe_combine_triton
     if shared is None:

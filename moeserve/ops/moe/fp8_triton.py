@@ -64,8 +64,9 @@ def per_token_group_quant_fp8_triton(x: torch.Tensor, group: int = BLOCK) -> tup
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """1x128 activation quantisation: the Triton kernel on a GPU, the torch reference on CPU (interpreter)."""
-    if x.is_cuda:
+    """1x128 activation quantisation: the Triton kernel on a GPU (and on ``meta`` tensors, where ahead-of-time
+    builds enumerate the launches), the torch reference on CPU (interpreter)."""
+    if x.device.type != "cpu":
         return per_token_group_quant_fp8_triton(x)
     return per_token_group_quant_fp8(x)
 

@@ -1,0 +1,256 @@
+"""Ahead-of-time Triton kernels: ``moeserve precompile`` compiles, on a machine without a GPU, every Triton kernel
+the configuration will launch into ``<kernel cache>/triton``, under exactly the cache keys the GPU machine's
+Triton computes at launch (the engine then points Triton there: ``moeserve.kernel_cache.triton_cache``).
+
+How: the real MoE layer of the model (router, routing kernel, fused MoE, combine, FP8 activation quantisation)
+runs on ``meta`` tensors for every step size the engine can launch (1 to max_num_batched_tokens tokens), with
+a stand-in driver that reports the target GPU and every ``kernel[grid](...)`` turned into a compile. So the
+launch signatures (argument dtypes, 16-byte alignment of pointers, integer specialisations, tile configs from
+the tuned tables, constexprs) are the ones the engine produces, without restating them here.
+
+Two facts of Triton 3.6.0 shape this (read from its source, checked on an H200):
+- A cache key includes a hash of the triton build, which hashes the binary ``_C/libtriton.so``; that file
+  differs between the wheels for different Python versions, so the key is computed for the target's Python
+  (``LIBTRITON_SHA256``; recompute an entry with ``sha256sum triton/_C/libtriton.so`` from that wheel).
+- A key includes each kernel's source and its line number: an edit to a kernel file invalidates its entries
+  (the manifest records a digest of the sources; the engine checks it at start).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from moeserve.kernel_cache.triton_cache import MANIFEST, MANIFEST_FORMAT, TRITON_DIR
+
+# sha256 of triton/_C/libtriton.so in PyPI's manylinux x86_64 wheels, by (triton version, Python tag)
+LIBTRITON_SHA256 = {
+    ("3.6.0", "cp312"): "28daaa70a904e4f8add754e518533e8a69b94ab8b16431ce77d45f1f25282b87",
+}
+DEFAULT_DEVICE_NAMES = {(9, 0): "NVIDIA_H200"}  # whose tuned MoE tables a 9.0a build uses by default
+
+
+def python_tag(version: str | None = None) -> str:
+    if version is None:
+        return f"cp{sys.version_info.major}{sys.version_info.minor}"
+    major, minor = version.split(".")[:2]
+    return f"cp{major}{minor}"
+
+
+def target_triton_key(target_python: str | None) -> tuple[str, str]:
+    """``(triton_key, python tag)`` as the target machine's Triton (same version, ``target_python``) computes
+    its key."""
+    import triton
+    from triton.runtime.cache import triton_key
+    tag = python_tag(target_python)
+    ours = triton_key()
+    if tag == python_tag():
+        return ours, tag
+    lib_sha = LIBTRITON_SHA256.get((triton.__version__, tag))
+    if lib_sha is None:
+        known = ", ".join(f"triton {v} {t}" for v, t in LIBTRITON_SHA256) or "none"
+        raise ValueError(f"--target-python {target_python}: no libtriton hash for triton {triton.__version__} "
+                         f"{tag} (known: {known}); build on a machine with Python {target_python}, or add the sha256 of "
+                         f"that wheel's triton/_C/libtriton.so to moeserve.tools.triton_aot.LIBTRITON_SHA256")
+    mine = hashlib.sha256((Path(triton.__file__).parent / "_C" / "libtriton.so").read_bytes()).hexdigest()
+    if mine not in ours:
+        raise RuntimeError("triton_key() does not hash _C/libtriton.so as expected by this triton version")
+    return ours.replace(mine, lib_sha), tag
+
+
+class _CompileOnlyDriver:
+    """Stands in for ``triton.runtime.driver.active`` on a machine without a GPU: reports the target; nothing
+    launches (every launch is a compile-only warm-up)."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        raise RuntimeError("no GPU here: Triton kernels are compiled, not launched")
+
+
+def _forget_bindings() -> None:
+    """Every JIT function forgets its per-device binder and in-memory kernels (built for another target)."""
+    import gc
+
+    from triton.runtime.jit import JITFunction
+    for obj in gc.get_objects():
+        if type(obj) is JITFunction:
+            obj.device_caches.clear()
+
+
+def _listing_launch(self, grid):
+    """A launch that records the kernel and its specialisation (what decides its cache entry) and compiles
+    nothing: ``precompile --dry-run``."""
+    from triton import knobs
+    from triton.runtime.jit import MockTensor
+
+    def call(*args, **kwargs):
+        kw = dict(kwargs, debug=kwargs.get("debug", self.debug) or knobs.runtime.debug,
+                  instrumentation_mode=knobs.compilation.instrumentation_mode)
+        binder = self.device_caches[0][-1]
+        _, specialization, options = binder(*map(MockTensor.wrap_dtype, args), **kw)
+        consts = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+        _LISTED.setdefault((self.__name__, str(specialization), str(sorted(options.items()))),
+                           {"name": self.__name__, "constants": {k: str(v) for k, v in consts.items()},
+                            "num_warps": options.get("num_warps"), "num_stages": options.get("num_stages")})
+    return call
+
+
+_LISTED: dict = {}
+
+
+@contextlib.contextmanager
+def compile_session(cache_dir: Path, capability: tuple[int, int], triton_key: str, dry_run: bool = False):
+    """Inside: Triton compiles for ``capability`` into ``cache_dir`` under ``triton_key``, and every kernel
+    launch only compiles (with ``dry_run``, only records itself in ``_LISTED``). Yields the list of compile
+    events (name, hash, cache_hit)."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import cache as tcache
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import KernelInterface
+
+    events: list[dict] = []
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit):
+        events.append({"name": getattr(src, "name", "?"), "hash": metadata["hash"], "cache_hit": cache_hit,
+                       "constants": {str(k): str(v) for k, v in getattr(src, "constants", {}).items()}})
+
+    saved = (tcache.triton_key, driver._active, knobs.compilation.store_binary_only, knobs.compilation.listener,
+             KernelInterface.__getitem__)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    knobs.cache.dir = str(cache_dir)
+    knobs.compilation.store_binary_only = True  # .cubin/.json and the group file: what a launch reads
+    knobs.compilation.listener = listener
+    driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", capability[0] * 10 + capability[1], 32)))
+    tcache.triton_key = lambda: triton_key
+    KernelInterface.__getitem__ = _listing_launch if dry_run else (
+        lambda self, grid: (lambda *a, **kw: self.run(*a, grid=grid, warmup=True, **kw)))
+    _LISTED.clear()
+    _forget_bindings()
+    try:
+        yield events
+    finally:
+        (tcache.triton_key, driver._active, knobs.compilation.store_binary_only, knobs.compilation.listener,
+         KernelInterface.__getitem__) = saved
+        del knobs.cache.dir
+        _forget_bindings()
+
+
+@contextlib.contextmanager
+def tuned_tables_for(device_name: str):
+    """The MoE kernels pick their tuned configs by GPU name; read the target's tables on this machine."""
+    from moeserve.ops.moe import fp8_triton, triton_configs
+    saved = (triton_configs.device_name, fp8_triton.device_name)
+    triton_configs.device_name = fp8_triton.device_name = lambda: device_name
+
+    def clear():
+        for f in (triton_configs.load_configs, triton_configs._get_config, fp8_triton.load_fp8_configs):
+            f.cache_clear()
+    clear()
+    try:
+        yield
+    finally:
+        triton_configs.device_name, fp8_triton.device_name = saved
+        clear()
+
+
+def meta_moe_layer(plan):
+    """The model's MoE layer on ``meta`` with the plan's Triton paths (MoE and routing kernels)."""
+    from moeserve.models.layers import Ops, SparseMoE
+    from moeserve.ops.basic import TorchActivation, TorchNorm, TorchRope
+    from moeserve.ops.linear import TorchLinear
+    from moeserve.ops.moe.routing_triton import TritonTopkRouter
+    from moeserve.ops.moe.torch_ref import TorchMoE
+    from moeserve.ops.moe.triton_backend import TritonMoE
+    fp = plan.triton_fingerprint("?")
+    meta, dtype = torch.device("meta"), plan.dtype
+    moe = TritonMoE(meta, dtype) if fp["moe"] else TorchMoE(meta, dtype)
+    ops = Ops(linear=TorchLinear(meta, dtype), norm=TorchNorm(), activation=TorchActivation(), moe=moe,
+              rope_cls=TorchRope, quantization=plan.quantization)
+    layer = SparseMoE(ops, plan.arch, dtype, meta)
+    if fp["routing"]:
+        layer.router, layer.routing_impl = TritonTopkRouter(plan.arch.routing), TritonTopkRouter.name
+    moe.prepare(layer)
+    return layer
+
+
+def list_kernels(plan, capability: tuple[int, int], device_name: str, scratch: Path) -> list[dict]:
+    """The Triton kernels (name, tile constants, warps, stages) the plan launches, compiling nothing."""
+    if not plan.triton_fingerprint(device_name)["kernels"]:
+        return []
+    from triton.runtime.cache import triton_key
+    with tuned_tables_for(device_name), compile_session(scratch, capability, triton_key(), dry_run=True), \
+            torch.no_grad():
+        layer = meta_moe_layer(plan)
+        for tokens in range(1, plan.max_step_tokens + 1):
+            layer(torch.empty((tokens, plan.arch.hidden_size), dtype=plan.dtype, device="meta"))
+        return list(_LISTED.values())
+
+
+def build(plan, out: Path, capability: tuple[int, int], device_name: str, target_python: str | None = None,
+          log=print) -> dict:
+    """Compile the plan's Triton kernels into ``out/triton`` and add them to its manifest; returns the manifest
+    entry of this configuration."""
+    import triton
+    fingerprint = plan.triton_fingerprint(device_name)
+    if not fingerprint["kernels"]:
+        return {"fingerprint": fingerprint, "entries": []}
+    key, tag = target_triton_key(target_python)
+    cache_dir = out / TRITON_DIR
+    t0 = time.perf_counter()
+    with tuned_tables_for(device_name), compile_session(cache_dir, capability, key) as events, torch.no_grad():
+        layer = meta_moe_layer(plan)
+        for tokens in range(1, plan.max_step_tokens + 1):
+            layer(torch.empty((tokens, plan.arch.hidden_size), dtype=plan.dtype, device="meta"))
+    entries, seen = [], set()
+    for e in events:
+        if e["hash"] not in seen:
+            seen.add(e["hash"])
+            from triton.runtime.cache import _base32
+            entries.append({"kernel": e["name"], "name": e["name"][:150], "dir": _base32(e["hash"]),
+                            "hash": e["hash"], "constants": e["constants"], "cached": e["cache_hit"]})
+    compiled = sum(1 for e in entries if not e["cached"])
+    log(f"Triton: {len(entries)} kernels for {plan.source.name} up to {plan.max_step_tokens} tokens per step "
+        f"({compiled} compiled now, for {device_name}, Python {tag}) in {time.perf_counter() - t0:.1f} s -> {cache_dir}")
+    config = {"fingerprint": fingerprint, "entries": [{k: v for k, v in e.items() if k != "cached"} for e in entries]}
+    manifest = _read(cache_dir) or {}
+    if (manifest.get("triton_version"), manifest.get("target_python")) != (triton.__version__, tag):
+        manifest = {}
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    same = {k: v for k, v in fingerprint.items() if k != "max_tokens"}
+    configs = [c for c in manifest.get("configs", [])
+               if {k: v for k, v in c["fingerprint"].items() if k != "max_tokens"} != same]
+    manifest = {"format": MANIFEST_FORMAT, "triton_version": triton.__version__, "target_python": tag,
+                "triton_key_sha256": digest, "capability": list(capability), "configs": configs + [config]}
+    (cache_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return config
+
+
+def _read(cache_dir: Path) -> dict | None:
+    try:
+        return json.loads((cache_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def size_bytes(cache_dir: Path) -> int:
+    return sum(p.stat().st_size for p in cache_dir.rglob("*") if p.is_file())

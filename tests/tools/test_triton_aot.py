@@ -1,0 +1,105 @@
+"""Triton kernels ahead of time: ``precompile`` lists and builds, on this GPU-less machine, the Triton kernels a
+configuration launches; a build moved to another path still serves every launch from disk; with
+``allow_jit: false`` a kernel or configuration the cache lacks is refused by name."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+from moeserve.config import make_config  # noqa: E402
+from moeserve.kernel_cache import triton_cache  # noqa: E402
+from moeserve.tools import triton_aot  # noqa: E402
+from moeserve.tools.modules import plan_for_arch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+H200 = ((9, 0), "NVIDIA_H200")
+
+
+def tiny_plan(max_tokens=24, **kw):
+    return plan_for_arch(make_config(model="tiny", dtype="bfloat16", max_num_batched_tokens=max_tokens,
+                                     max_num_seqs=8, **kw), "9.0a")
+
+
+def test_dry_run_lists_the_triton_kernels_of_the_bench_configuration():
+    out = subprocess.run([sys.executable, "-m", "moeserve.cli", "precompile", "--config",
+                          "moeserve/presets/bench-gpu.yaml", "--arch", "9.0a", "--out", "/nonexistent/cache",
+                          "--dry-run", "--modules", "norm"], capture_output=True, text=True, cwd=REPO, timeout=300,
+                         env={"COLUMNS": "300", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert "Triton kernels for qwen1.5-moe-a2.7b on 9.0a (NVIDIA_H200), steps of 1 to 8192 tokens" in text
+    for kernel in ("_topk_route_kernel", "_moe_align_kernel", "_moe_count_kernel", "fused_moe_kernel",
+                   "_silu_and_mul_kernel", "moe_combine_kernel"):
+        assert kernel in text, kernel
+    # Qwen1.5's gated shared expert: the combine adds it with the gate from the router's extra row
+    assert "TOP_K=4 HAS_SHARED=True HAS_GATE=True" in text
+    assert "BLOCK_SIZE_M=16 BLOCK_SIZE_N=32 BLOCK_SIZE_K=128" in text  # the tuned H200 table's M=1 tile
+
+
+def test_built_kernels_serve_every_launch_from_disk_after_the_cache_moves(tmp_path):
+    plan = tiny_plan()
+    config = triton_aot.build(plan, tmp_path / "built", *H200, log=lambda s: None)
+    names = {e["kernel"] for e in config["entries"]}
+    assert {"fused_moe_kernel", "_moe_align_kernel", "moe_combine_kernel", "_topk_route_kernel"} <= names
+    manifest = json.loads((tmp_path / "built" / "triton" / "manifest.json").read_text())
+    assert manifest["target_python"] == triton_aot.python_tag()
+    assert manifest["triton_key_sha256"] == triton_cache.triton_key_digest()
+    shutil.copytree(tmp_path / "built", tmp_path / "moved")
+    shutil.rmtree(tmp_path / "built")
+    assert triton_cache.relocate(tmp_path / "moved" / "triton") == len(config["entries"])
+    assert triton_cache.check_coverage(manifest, plan.triton_fingerprint(H200[1]), tmp_path / "moved" / "triton") == []
+    again = triton_aot.build(plan, tmp_path / "moved", *H200, log=lambda s: None)  # fresh in-memory state
+    assert [e["hash"] for e in again["entries"]] == [e["hash"] for e in config["entries"]]
+    with triton_aot.compile_session(tmp_path / "moved" / "triton", (9, 0), triton_aot.target_triton_key(None)[0]) \
+            as events:
+        import torch
+        layer = triton_aot.meta_moe_layer(plan)
+        with torch.no_grad(), triton_aot.tuned_tables_for(H200[1]):
+            for t in (1, 7, 24):
+                layer(torch.empty((t, plan.arch.hidden_size), dtype=plan.dtype, device="meta"))
+    assert events and all(e["cache_hit"] for e in events), [e for e in events if not e["cache_hit"]]
+
+
+def test_keys_follow_the_target_python(tmp_path):
+    other = "3.12" if triton_aot.python_tag() != "cp312" else "3.11"
+    if triton_aot.python_tag(other) == "cp312":
+        key, tag = triton_aot.target_triton_key(other)
+        assert tag == "cp312" and key != triton_aot.target_triton_key(None)[0]
+    with pytest.raises(ValueError, match="no libtriton hash for triton .* cp39"):
+        triton_aot.target_triton_key("3.9")
+
+
+def test_allow_jit_false_refuses_an_uncovered_configuration_and_a_missing_kernel_by_name(tmp_path):
+    plan = tiny_plan()
+    config = triton_aot.build(plan, tmp_path, *H200, log=lambda s: None)
+    fp = plan.triton_fingerprint(H200[1])
+    summary = triton_cache.use_triton_cache(tmp_path, fp, allow_jit=False)
+    assert summary["kernels"] == len(config["entries"])
+    bigger = tiny_plan(max_tokens=64).triton_fingerprint(H200[1])
+    with pytest.raises(triton_cache.TritonCacheError, match="holds no Triton kernels for .*max_tokens=64"):
+        triton_cache.use_triton_cache(tmp_path, bigger, allow_jit=False)
+    victim = next(e for e in config["entries"] if e["kernel"] == "moe_combine_kernel")
+    (tmp_path / "triton" / victim["dir"] / f"{victim['name']}.cubin").unlink()
+    with pytest.raises(triton_cache.TritonCacheError, match=f"missing from .*moe_combine_kernel \\({victim['dir']}\\)"):
+        triton_cache.use_triton_cache(tmp_path, fp, allow_jit=False)
+    with pytest.raises(triton_cache.TritonCacheError, match="no Triton kernels"):
+        triton_cache.use_triton_cache(tmp_path / "empty", fp, allow_jit=False)
+
+
+def test_the_runtime_guard_refuses_a_miss_before_anything_compiles(tmp_path, monkeypatch):
+    from triton import knobs
+    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path))
+    saved = (knobs.cache.manager_class, knobs.compilation.listener, dict(triton_cache._state))
+    try:
+        triton_cache.install_listener(allow_jit=False)
+        manager = knobs.cache.manager_class("somekey")
+        with pytest.raises(triton_cache.TritonCacheError, match="Triton kernel fused_moe_kernel .* allow_jit is false"):
+            manager.get_group("fused_moe_kernel.json")
+    finally:
+        knobs.cache.manager_class, knobs.compilation.listener = saved[0], saved[1]
+        triton_cache._state.update(saved[2])
