@@ -82,6 +82,7 @@ class SharedPrefixConfig(_Strict):
     suffix_len: int = Field(128, ge=1)
     requests: int = Field(256, ge=1)
     output_len: int = Field(32, ge=2)
+    concurrency: list[int] | None = Field(default_factory=lambda: [8, 32])  # None: bench.concurrency
 
 
 class BenchConfig(_Strict):

@@ -91,7 +91,10 @@ def build_cases(bench) -> list[WorkloadCase]:
     """The cells of a ``BenchConfig`` in report order: workload by workload, concurrency ascending."""
     cases = []
     for w in bench.workloads:
-        for c in sorted(set(bench.concurrency)):
+        levels = bench.concurrency
+        if w == "shared-prefix" and bench.shared_prefix.concurrency:
+            levels = bench.shared_prefix.concurrency
+        for c in sorted(set(levels)):
             if w == "shared-prefix":
                 sp = bench.shared_prefix
                 cases.append(WorkloadCase(w, c, sp.suffix_len, sp.output_len, bench.seed, bench.mixed_arrival_every,
