@@ -38,7 +38,8 @@ def summarize(result: dict, results_dir: str | None = None) -> dict:
         if not e.get("available"):
             continue
         key = _engine_key(e)
-        engines.append({"engine": key, "backends": e.get("backends", {}), "start_seconds": e.get("start_seconds")})
+        if key not in [x["engine"] for x in engines]:  # one engine may come from several merged results
+            engines.append({"engine": key, "backends": e.get("backends", {}), "start_seconds": e.get("start_seconds")})
         for row in e.get("results", []):
             cell = workloads.setdefault(row["workload"], {}).setdefault(str(row["concurrency"]), {})
             cell[key] = {m: row[m] for m in METRICS if m in row}
