@@ -102,6 +102,10 @@ class ServerConfig(_Strict):
     api_key: str | None = None
     served_model_name: str | None = None
     max_queue_len: int = Field(256, ge=1)
+    # a Jinja chat template, inline or a file (vllm serve --chat-template); default: the tokenizer's
+    chat_template: str | None = None
+    # SIGTERM/Ctrl+C: stop accepting, let running requests finish for up to this long, then exit
+    shutdown_timeout: float = Field(30.0, ge=0)
 
 
 class EngineConfig(_Strict):
@@ -134,6 +138,9 @@ class EngineConfig(_Strict):
     # Schedule and launch the next step while the GPU still runs the current one (vLLM's
     # --async-scheduling, SGLang's overlap scheduler); its tokens reach the host one step later.
     async_scheduling: bool = True
+    # request defaults (temperature, top_p, top_k, min_p) from generation_config.json: "auto" reads the
+    # model directory's, "vllm" uses none, a directory reads that one's (vLLM's --generation-config)
+    generation_config: str = "auto"
 
     backends: BackendConfig = Field(default_factory=BackendConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)

@@ -50,8 +50,12 @@ class ScheduledSeq:
             assert len(ids) == self.num_tokens - 1, f"{s!r}: more than one in-flight token in a step"
             ids = ids + [0]
             inflight_row = s.last_row
-        return ScheduledRequest(s.request_id, start, ids, list(s.pages), self.samples,
-                                inflight_row, s.sampling_row() if self.samples else None)
+        req = ScheduledRequest(s.request_id, start, ids, list(s.pages), self.samples,
+                               inflight_row, s.sampling_row() if self.samples else None)
+        if s.prompt_logprobs_wanted(start, end):
+            req.prompt_logprobs = s.params.prompt_logprobs
+            req.next_prompt_token = s.prompt_token_ids[end] if end < s.num_prompt_tokens else None
+        return req
 
 
 @dataclass
