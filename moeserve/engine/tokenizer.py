@@ -61,9 +61,9 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 def apply_chat_template(tokenizer, messages: list[dict], chat_template: str | None = None,
-                        add_generation_prompt: bool = True, **kwargs) -> list[int]:
-    """The prompt token ids of ``messages`` (the template's text, tokenized without adding special tokens,
-    as vLLM does). Raises ``ValueError`` when there is no tokenizer or template."""
+                        add_generation_prompt: bool = True, add_special_tokens: bool = False, **kwargs) -> list[int]:
+    """The prompt token ids of ``messages`` (the template's text, tokenized without adding special tokens
+    unless asked, as vLLM does). Raises ``ValueError`` when there is no tokenizer or template."""
     if tokenizer is None:
         raise ValueError("messages: this model has no tokenizer, so chat is not available; "
                          "use /v1/completions with token-id prompts")
@@ -72,7 +72,7 @@ def apply_chat_template(tokenizer, messages: list[dict], chat_template: str | No
                          "or use /v1/completions")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          chat_template=chat_template, **kwargs)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def generation_defaults(config_dir: str | None, mode: str = "auto") -> dict:
