@@ -187,7 +187,8 @@ class EngineClient:
             self._stop_process(5.0)
             raise EngineStartError("the engine process did not connect to the front end")
         self.ready = msg
-        self._load = msg.load
+        self._load = ld = msg.load
+        self.metrics.set_load(ld.running, ld.waiting, ld.pages_used, ld.pages_total, ld.preemptions)
         return msg
 
     def attach(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -319,7 +320,10 @@ class EngineClient:
             try:
                 data = sock.recv(zmq.NOBLOCK, copy=True)
             except zmq.Again:
-                break
+                # ZMQ's descriptor is edge-triggered: it signals again only once EVENTS shows no input
+                if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    continue
+                return
             except zmq.ZMQError:
                 return
             msg = decode(data)
@@ -327,7 +331,6 @@ class EngineClient:
                 self._dispatch(msg)
             elif isinstance(msg, CoreDied):
                 self.error = f"the engine core failed: {msg.message}"
-        sock.getsockopt(zmq.EVENTS)  # re-arm the edge-triggered descriptor
 
     def _dispatch(self, out: CoreOutputs) -> None:
         now = time.perf_counter()

@@ -191,6 +191,8 @@ class ChatCompletionRequest(SamplingFields):
         out = super().unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             out.append(("top_logprobs", "top_logprobs: needs logprobs set to true"))
+        elif self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            out.append(("top_logprobs", f"top_logprobs: must be an integer in [0, 20], got {self.top_logprobs}"))
         if self.tools:
             out.append(("tools", "tools: tool calling is not supported"))
         if self.tool_choice not in (None, "none", "auto"):
