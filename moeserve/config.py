@@ -121,6 +121,10 @@ class ServerConfig(_Strict):
     api_key: str | None = None
     served_model_name: str | None = None
     max_queue_len: int = Field(256, ge=1)
+    # a Jinja chat template, inline or a file (vllm serve --chat-template); default: the tokenizer's
+    chat_template: str | None = None
+    # SIGTERM/Ctrl+C: stop accepting, let running requests finish for up to this long, then exit
+    shutdown_timeout: float = Field(30.0, ge=0)
 
 
 class EngineConfig(_Strict):
@@ -162,6 +166,9 @@ class EngineConfig(_Strict):
     # Steps of at most this many tokens run the shared expert on a second CUDA stream, overlapped with routing
     # and the routed experts (vLLM's VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD); 0 runs it in line.
     shared_expert_stream_max_tokens: int = Field(256, ge=0)
+    # request defaults (temperature, top_p, top_k, min_p) from generation_config.json: "auto" reads the
+    # model directory's, "vllm" uses none, a directory reads that one's (vLLM's --generation-config)
+    generation_config: str = "auto"
 
     backends: BackendConfig = Field(default_factory=BackendConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)

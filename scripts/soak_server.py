@@ -3,9 +3,10 @@
 Starts the server as a subprocess (by default on a tiny random checkpoint with a word-level tokenizer,
 CPU), fires ``--requests`` short requests at ``--concurrency``: streaming and non-streaming completions
 and chats, clients that disconnect mid-stream or before a non-streaming answer, and malformed or
-out-of-range requests. Meanwhile it samples the server's resident memory (/proc/PID/status VmRSS) and
-``moeserve_kv_pages_used`` from /metrics, prints them as a table, and gives a verdict: KV pages must
-all be back once the server is idle, and RSS after warm-up must not keep growing.
+out-of-range requests. Meanwhile it samples the resident memory (/proc/PID/status VmRSS) of the HTTP
+process and of its engine-core process, and ``moeserve_kv_pages_used`` from /metrics, prints them as a
+table, and gives a verdict: KV pages must all be back once the server is idle, and neither process's RSS
+after warm-up may keep growing.
 
     python scripts/soak_server.py --requests 3000 --concurrency 64
 """
@@ -34,7 +35,7 @@ BAD_REQUESTS = [
     ("/v1/completions", json.dumps({"prompt": "hello", "max_tokens": 0}).encode()),
     ("/v1/completions", json.dumps({"prompt": "hello", "temperature": -1}).encode()),
     ("/v1/completions", json.dumps({"prompt": [1] * 400, "max_tokens": 4}).encode()),
-    ("/v1/completions", json.dumps({"prompt": "hello", "logprobs": 2}).encode()),
+    ("/v1/completions", json.dumps({"prompt": "hello", "logprobs": 50}).encode()),
     ("/v1/completions", json.dumps({"prompt": "hello", "model": "unknown"}).encode()),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode()),
     ("/v1/chat/completions", json.dumps({"messages": "hi", "top_p": 7}).encode()),
@@ -86,6 +87,8 @@ async def one_request(c: httpx.AsyncClient, rng: random.Random) -> str:
         return f"chat->{r.status_code}"
     body = {"prompt": prompt if rng.random() < 0.5 else [rng.randrange(256) for _ in range(rng.randint(3, 60))],
             "max_tokens": max_tokens, "temperature": rng.choice([0.0, 0.8]), "ignore_eos": True}
+    if rng.random() < 0.2:
+        body |= {"logprobs": rng.randint(0, 5), "echo": rng.random() < 0.5}
     if kind in ("stream", "drop_stream"):
         async with c.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
             n = 0
@@ -104,7 +107,7 @@ async def one_request(c: httpx.AsyncClient, rng: random.Random) -> str:
     return f"plain->{r.status_code}"
 
 
-async def soak(args, url: str, pid: int) -> tuple[list[dict], Counter]:
+async def soak(args, url: str, pid: int, core_pid: int) -> tuple[list[dict], Counter]:
     outcomes: Counter = Counter()
     done = 0
     samples = []
@@ -115,7 +118,7 @@ async def soak(args, url: str, pid: int) -> tuple[list[dict], Counter]:
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as c:
         async def sample():
             page = (await c.get("/metrics")).text
-            samples.append({"t": time.monotonic() - t0, "done": done, "rss": rss_bytes(pid),
+            samples.append({"t": time.monotonic() - t0, "done": done, "rss": rss_bytes(pid), "core_rss": rss_bytes(core_pid),
                             "pages": metric(page, "moeserve_kv_pages_used"),
                             "running": metric(page, "moeserve_num_requests_running"),
                             "waiting": metric(page, "moeserve_num_requests_waiting")})
@@ -154,20 +157,21 @@ def verdict(samples: list[dict], requests: int) -> tuple[bool, list[str]]:
         lines.append(f"KV pages: LEAK: {end['pages']:.0f} pages in use, {end['running']:.0f} running, "
                      f"{end['waiting']:.0f} waiting after the load stopped")
     warm = next((s for s in samples if s["done"] >= requests * 0.2), samples[0])
-    growth = end["rss"] - warm["rss"]
-    allowed = max(32 * MIB, 0.05 * warm["rss"])
     late = [s for s in samples if s["done"] >= requests * 0.5]
-    slope = 0.0
-    if len(late) >= 3 and late[-1]["done"] > late[0]["done"]:
-        slope = (late[-1]["rss"] - late[0]["rss"]) / (late[-1]["done"] - late[0]["done"]) * 1000
-    lines.append(f"RSS: {warm['rss'] / MIB:.1f} MiB after warm-up ({warm['done']} requests) -> "
-                 f"{end['rss'] / MIB:.1f} MiB at the end ({growth / MIB:+.1f} MiB; second half "
-                 f"{slope / MIB:+.2f} MiB per 1000 requests)")
-    if growth > allowed:
-        ok = False
-        lines.append(f"RSS: GROWTH beyond {allowed / MIB:.0f} MiB")
-    else:
-        lines.append("RSS: no growth beyond noise")
+    for key, name in (("rss", "HTTP process RSS"), ("core_rss", "engine core RSS")):
+        growth = end[key] - warm[key]
+        allowed = max(32 * MIB, 0.05 * warm[key])
+        slope = 0.0
+        if len(late) >= 3 and late[-1]["done"] > late[0]["done"]:
+            slope = (late[-1][key] - late[0][key]) / (late[-1]["done"] - late[0]["done"]) * 1000
+        lines.append(f"{name}: {warm[key] / MIB:.1f} MiB after warm-up ({warm['done']} requests) -> "
+                     f"{end[key] / MIB:.1f} MiB at the end ({growth / MIB:+.1f} MiB; second half "
+                     f"{slope / MIB:+.2f} MiB per 1000 requests)")
+        if growth > allowed:
+            ok = False
+            lines.append(f"{name}: GROWTH beyond {allowed / MIB:.0f} MiB")
+        else:
+            lines.append(f"{name}: no growth beyond noise")
     return ok, lines
 
 
@@ -207,8 +211,9 @@ def main() -> int:
                 print("the server did not come up", file=sys.stderr)
                 return 1
             time.sleep(0.5)
+        core_pid = httpx.get(url + "/server_info", timeout=10).json()["engine"]["pid"]
         t0 = time.monotonic()
-        samples, outcomes = asyncio.run(soak(args, url, server.pid))
+        samples, outcomes = asyncio.run(soak(args, url, server.pid, core_pid))
         wall = time.monotonic() - t0
     finally:
         server.send_signal(signal.SIGINT)
@@ -219,10 +224,11 @@ def main() -> int:
         tmp.cleanup()
 
     print(f"\n{args.requests} requests at concurrency {args.concurrency} in {wall:.1f} s")
-    print(f"{'t (s)':>7} {'requests':>9} {'RSS (MiB)':>10} {'pages used':>11} {'running':>8} {'waiting':>8}")
+    print(f"{'t (s)':>7} {'requests':>9} {'HTTP RSS':>9} {'core RSS':>9} {'pages used':>11} {'running':>8} "
+          f"{'waiting':>8}   (RSS in MiB)")
     for s in samples:
-        print(f"{s['t']:7.1f} {s['done']:9d} {s['rss'] / MIB:10.1f} {s['pages']:11.0f} {s['running']:8.0f} "
-              f"{s['waiting']:8.0f}")
+        print(f"{s['t']:7.1f} {s['done']:9d} {s['rss'] / MIB:9.1f} {s['core_rss'] / MIB:9.1f} {s['pages']:11.0f} "
+              f"{s['running']:8.0f} {s['waiting']:8.0f}")
     print("outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
     ok, lines = verdict(samples, args.requests)
     for line in lines:

@@ -24,6 +24,8 @@ from moeserve.config import EngineConfig
 
 EXTERNAL_MODES = {"online": ("moeserve.bench.online", "online load generator against an OpenAI-compatible server"),
                   "startup": ("moeserve.bench.startup", "cold and warm engine start-up times"),
+                  "serving": ("moeserve.bench.serving_overhead",
+                              "what the server adds: offline engine vs moeserve serve (vs vLLM) TTFT/ITL in one run"),
                   "vllm-plugin": ("moeserve.bench.vllm_dummy",
                                   "write the plugin that has a vLLM you start yourself draw moeserve's dummy weights")}
 VLLM_FINISH_MARGIN_S = 20.0

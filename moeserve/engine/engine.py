@@ -13,31 +13,21 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from pathlib import Path
 
 import torch
 
 from moeserve.config import EngineConfig
 from moeserve.engine.kv_cache import KVCacheManager
-from moeserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from moeserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, logprobs_dicts
 from moeserve.engine.requests import RequestError, RequestLimits, validate_request
 from moeserve.engine.runner import ModelRunner
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.engine.scheduler import Scheduler
 from moeserve.engine.sequence import Sequence
+from moeserve.engine.tokenizer import TOKENIZER_FILES, load_tokenizer  # noqa: F401
 from moeserve.plan import resolve_plan
 
 log = logging.getLogger("moeserve")
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def load_tokenizer(config_dir: str | None):
-    if config_dir is None or not any((Path(config_dir) / f).is_file() for f in TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(config_dir)
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, capture_graphs: bool = True):
@@ -131,7 +121,16 @@ class LLMEngine:
 
     def _receive(self, out, launched) -> list[Sequence]:
         result = self.runner.wait(launched)
+        if result.prompt_logprobs:
+            for item in out.items:
+                scored = result.prompt_logprobs.get(item.seq.request_id)
+                if scored is not None:
+                    item.seq.add_prompt_logprobs(item.start, scored)
         touched = self.scheduler.receive(out, result.sampled)
+        if result.logprobs:
+            for seq in touched:
+                if seq.logprobs is not None and seq.request_id in result.logprobs:
+                    seq.logprobs.append(result.logprobs[seq.request_id])
         for seq in touched:
             if seq.params.stop and not seq.is_finished:
                 self._check_stop_strings(seq)
@@ -171,8 +170,10 @@ class LLMEngine:
         t = seq.timing
         return RequestOutput(
             request_id=seq.request_id, prompt=prompt, prompt_token_ids=seq.prompt_token_ids,
-            outputs=[CompletionOutput(index, list(seq.output_token_ids), self.decode_text(seq), seq.finish_reason)],
+            outputs=[CompletionOutput(index, list(seq.output_token_ids), self.decode_text(seq), seq.finish_reason,
+                                      logprobs_dicts(seq.logprobs, self.tokenizer))],
             finished=seq.is_finished,
+            prompt_logprobs=logprobs_dicts(seq.prompt_logprobs, self.tokenizer),
             metrics=RequestMetrics(t.arrival, t.first_scheduled, t.first_token, t.finished, list(t.token_times),
                                    seq.num_preemptions),
             num_cached_tokens=seq.num_cached_tokens,

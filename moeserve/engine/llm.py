@@ -9,6 +9,7 @@ from moeserve.engine.engine import LLMEngine
 from moeserve.engine.requests import RequestError
 from moeserve.engine.outputs import RequestOutput
 from moeserve.engine.sampling_params import SamplingParams
+from moeserve.engine.tokenizer import apply_chat_template, generation_defaults, load_chat_template
 
 
 class LLM:
@@ -28,6 +29,12 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's ``generation_config.json`` defaults (temperature, top_p,
+        top_k, min_p) applied, as vLLM's ``--generation-config auto``."""
+        defaults = generation_defaults(self.engine.source.config_dir, self.config.generation_config)
+        return SamplingParams(**defaults)
 
     def _prompt_ids(self, i: int, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -49,7 +56,7 @@ class LLM:
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise RequestError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
@@ -98,3 +105,21 @@ class LLM:
                 c.index = j
             results.append(first)
         return results
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to conversations: ``messages`` is one conversation (a list of ``{"role",
+        "content"}`` dicts) or a list of them. The model's chat template applies unless ``chat_template``
+        (inline or a file) is given; the prompt is the template's text, tokenized as vLLM does."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        template = load_chat_template(chat_template)
+        prompts = []
+        for i, conv in enumerate(conversations):
+            try:
+                ids = apply_chat_template(self.engine.tokenizer, conv, template, add_generation_prompt,
+                                          **(chat_template_kwargs or {}))
+            except ValueError as e:
+                raise RequestError(f"messages[{i}]: {e}" if len(conversations) > 1 else str(e)) from None
+            prompts.append({"prompt_token_ids": ids, "prompt": None})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

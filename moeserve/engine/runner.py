@@ -22,6 +22,7 @@ import torch
 
 from moeserve.engine.batch import BatchBuilder
 from moeserve.engine.kernels import prepare_kernels
+from moeserve.engine.logprobs import PROMPT_ROWS_PER_PASS, PromptLogprobs, SampledLogprobs, cat, score
 from moeserve.engine.step import SamplingRow, ScheduledRequest, StepInput, StepOutput
 from moeserve.models.layers import MoECausalLM, Ops
 from moeserve.ops.kv_cache import KVCache
@@ -41,6 +42,8 @@ class LaunchedStep:
     tokens: torch.Tensor | None = None  # device, int64
     host: torch.Tensor | None = None  # pinned copy of tokens
     event: torch.cuda.Event | None = None
+    sampled_logprobs: SampledLogprobs | None = None  # host copies, for the sampling requests that asked
+    prompt_logprobs: PromptLogprobs | None = None  # host copies, for the prefill chunks that asked
 
 
 class ModelRunner:
@@ -221,23 +224,62 @@ class ModelRunner:
     def forward_logits(self, step: StepInput) -> torch.Tensor:
         """Logits of every request of ``step`` that samples (float32 ``[S, V]``). Inputs still in flight are
         read from the sampled tokens of the last launched step."""
+        return self._forward(step)[0]
+
+    def _forward(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampling requests' logits, and the hidden states of every fed token when the step scores
+        prompt tokens (such a step runs eagerly)."""
         items = step.requests
         prev = self._last.tokens if self._last is not None else None
         graphs = self.graphs
-        if graphs is not None and step.is_decode and len(items) <= graphs.max_batch_size:
+        scores_prompt = any(it.prompt_logprobs is not None for it in items)
+        if graphs is not None and step.is_decode and len(items) <= graphs.max_batch_size and not scores_prompt:
             bucket = graphs.bucket(len(items))
             batch = self.builder.build(items, pad_to=bucket, prev_tokens=prev)
             self._before_plan()
             logits = graphs.replay(bucket, batch, after_plan=self._after_plan)
             if all(it.samples for it in items):
-                return logits[:len(items)]
-            return logits[batch.logits_indices.long()]
+                return logits[:len(items)], None
+            return logits[batch.logits_indices.long()], None
         batch = self.builder.build(items, prev_tokens=prev)
         self._before_plan()
         self.ops.attention.begin(batch.attn)
         self._after_plan()
         hidden = self.model(batch.input_ids, batch.positions)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        return self.model.compute_logits(hidden[batch.logits_indices]), hidden if scores_prompt else None
+
+    def _score_prompts(self, step: StepInput, hidden: torch.Tensor) -> PromptLogprobs | None:
+        """Queue the scores of the prompt tokens of the chunks that asked: position p's logits against the
+        prompt token at p + 1 (the chunk's last position against ``next_prompt_token``)."""
+        parts, targets, spans = [], [], []
+        offset = 0
+        for r in step.requests:
+            if r.prompt_logprobs is not None:
+                assert r.inflight_row < 0, f"{r.request_id}: prompt tokens scored with a token in flight"
+                tgt = r.token_ids[1:] + ([r.next_prompt_token] if r.next_prompt_token is not None else [])
+                for a in range(0, len(tgt), PROMPT_ROWS_PER_PASS):
+                    b = min(len(tgt), a + PROMPT_ROWS_PER_PASS)
+                    logits = self.model.compute_logits(hidden[offset + a:offset + b])
+                    parts.append(score(logits, to_device(tgt[a:b], torch.int64, self.device), r.prompt_logprobs))
+                if tgt:
+                    spans.append((r.request_id, len(targets), len(tgt), r.prompt_logprobs))
+                    targets.extend(tgt)
+            offset += r.num_tokens
+        if not parts:
+            return None
+        return PromptLogprobs(cat(parts).to_host(self.device.type == "cuda"), targets, spans)
+
+    def _score_sampled(self, sampling: list[ScheduledRequest], logits: torch.Tensor,
+                       tokens: torch.Tensor) -> SampledLogprobs | None:
+        """Queue the scores of the sampled tokens of the requests that asked (the unmodified logits)."""
+        rows = [(r.request_id, i, r.sampling.logprobs) for i, r in enumerate(sampling) if r.sampling.logprobs is not None]
+        if not rows:
+            return None
+        if len(rows) < len(sampling):
+            idx = to_device([i for _, i, _ in rows], torch.int64, self.device)
+            logits, tokens = logits.index_select(0, idx), tokens.index_select(0, idx)
+        t = score(logits, tokens, max(k for _, _, k in rows))
+        return SampledLogprobs(t.to_host(self.device.type == "cuda"), rows)
 
     @torch.no_grad()
     def launch(self, step: StepInput) -> LaunchedStep:
@@ -247,33 +289,46 @@ class ModelRunner:
         launched = LaunchedStep(step)
         if not step.requests:
             return launched
-        logits = self.forward_logits(step)
+        logits, hidden = self._forward(step)
+        if hidden is not None:
+            launched.prompt_logprobs = self._score_prompts(step, hidden)
+            del hidden
         sampling = step.sampling_requests
+        cuda = self.device.type == "cuda"
         if sampling:
             if all(r.sampling.greedy for r in sampling):  # no per-request tensors to build and copy
                 tokens = logits.argmax(dim=-1)
             else:
                 tokens = self.sampler.sample(logits, self.sampling_batch(sampling))
             launched.tokens = tokens
-            if self.device.type == "cuda":
+            launched.sampled_logprobs = self._score_sampled(sampling, logits, tokens)
+            if cuda:
                 launched.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
                 launched.host.copy_(tokens, non_blocking=True)
-                launched.event = torch.cuda.Event()
-                launched.event.record()
             else:
                 launched.host = tokens
+        if cuda and (launched.host is not None or launched.prompt_logprobs is not None):
+            launched.event = torch.cuda.Event()
+            launched.event.record()
         self._last = launched
         return launched
 
     def wait(self, launched: LaunchedStep) -> StepOutput:
-        """Block until the step's tokens are on the host."""
+        """Block until the step's tokens (and log-probabilities) are on the host."""
         step = launched.step
-        if launched.tokens is None:
-            return StepOutput(step.step_id, [None] * len(step.requests))
         if launched.event is not None:
             launched.event.synchronize()
-        it_tokens = iter(launched.host.tolist())
-        return StepOutput(step.step_id, [next(it_tokens) if r.samples else None for r in step.requests])
+        out = StepOutput(step.step_id, [None] * len(step.requests))
+        if launched.prompt_logprobs is not None:
+            out.prompt_logprobs = launched.prompt_logprobs.resolve()
+        if launched.tokens is None:
+            return out
+        tokens = launched.host.tolist()
+        it_tokens = iter(tokens)
+        out.sampled = [next(it_tokens) if r.samples else None for r in step.requests]
+        if launched.sampled_logprobs is not None:
+            out.logprobs = launched.sampled_logprobs.resolve(tokens)
+        return out
 
     @torch.no_grad()
     def execute(self, step: StepInput) -> StepOutput:

@@ -54,8 +54,12 @@ class ScheduledSeq:
             assert len(ids) == self.num_tokens - 1, f"{s!r}: more than one in-flight token in a step"
             ids = ids + [0]
             inflight_row = s.last_row
-        return ScheduledRequest(s.request_id, start, ids, list(s.pages), self.samples,
-                                inflight_row, s.sampling_row() if self.samples else None)
+        req = ScheduledRequest(s.request_id, start, ids, list(s.pages), self.samples,
+                               inflight_row, s.sampling_row() if self.samples else None)
+        if s.prompt_logprobs_wanted(start, end):
+            req.prompt_logprobs = s.params.prompt_logprobs
+            req.next_prompt_token = s.prompt_token_ids[end] if end < s.num_prompt_tokens else None
+        return req
 
 
 @dataclass
@@ -174,8 +178,10 @@ class Scheduler:
         return out
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached pages ``seq``'s tokens start with, leaving at least one token to compute."""
-        if not self.pool.enable_caching:
+        """The cached pages ``seq``'s tokens start with, leaving at least one token to compute. A request that
+        wants prompt log-probabilities computes its whole prompt (they are not cached), as vLLM does."""
+        scoring = seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens
+        if not self.pool.enable_caching or scoring:
             return []
         ps = self.pool.page_size
         return self.pool.match(seq.full_page_hashes(ps), (seq.num_tokens - 1) // ps)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from moeserve.engine.kv_cache import page_hash
 from moeserve.engine.sampling_params import SamplingParams
-from moeserve.engine.step import SamplingRow
+from moeserve.engine.step import SamplingRow, TokenLogprobs
 
 
 class Status(enum.Enum):
@@ -62,6 +62,10 @@ class Sequence:
         self.page_hashes: list[bytes] = []
         self.num_registered = 0
         self.num_cached_tokens = 0
+        # log-probabilities asked for: one entry per output token, and per prompt token (None for the first)
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
 
     # --- sizes ---------------------------------------------------------------------------------
     @property
@@ -123,6 +127,22 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == Status.FINISHED
+
+    def prompt_logprobs_wanted(self, start: int, end: int) -> bool:
+        """Whether a chunk feeding ``[start, end)`` scores prompt tokens not scored yet (a recomputation after
+        preemption does not score them again)."""
+        pl = self.prompt_logprobs
+        # the chunk scores the prompt tokens at start + 1 ... min(end, P - 1)
+        return pl is not None and min(end, self.num_prompt_tokens - 1) >= max(len(pl), start + 1)
+
+    def add_prompt_logprobs(self, start: int, items: list[TokenLogprobs]) -> None:
+        """Scores of the prompt tokens at ``start + 1, start + 2, ...`` (from a chunk starting at ``start``)."""
+        pl = self.prompt_logprobs
+        if pl is None:
+            return
+        skip = len(pl) - (start + 1)  # already scored before a preemption
+        if skip >= 0:
+            pl.extend(items[skip:])
 
     # --- progress ------------------------------------------------------------------------------
     def receive_token(self, token: int, now: float) -> None:

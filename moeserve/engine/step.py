@@ -54,6 +54,9 @@ class ScheduledRequest:
     inflight_row: int = -1  # >= 0: the last fed token is still on the device, row of the previous step's tokens
     sampling: SamplingRow | None = None  # set when ``samples``
     prompt_logprobs: int | None = None  # top-N log-probabilities of the fed prompt tokens (None: none)
+    # with ``prompt_logprobs``: the prompt token after this chunk (None when the chunk ends the prompt), the
+    # target of the chunk's last position
+    next_prompt_token: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -104,4 +107,6 @@ class StepOutput:
     step_id: int
     sampled: list[int | None]  # per request of the step: its new token, None where it did not sample
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # request id -> its sampled token's
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # request id -> fed prompt tokens'
+    # request id -> the log-probabilities of the prompt tokens at positions start + 1 ... of its chunk (each
+    # position's logits scored against the prompt token after it)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: routes, authentication, errors in OpenAI's format.
 
-``build_app(async_engine, ...)`` returns a FastAPI app; the app starts the engine loop when it starts
-and stops it on shutdown. Every refusal is ``{"error": {"message", "type", "param", "code"}}`` with a
+``build_app(state)`` returns a FastAPI app for a ``ServerState``; the app starts the engine core (a child
+process) when it starts, unless it already runs, and stops it on shutdown. Tokenizing, detokenizing, stop
+strings and validation happen here, in the front end; the core sees token ids and sampling parameters. Every refusal is ``{"error": {"message", "type", "param", "code"}}`` with a
 4xx status; FastAPI's own 422 for malformed JSON or wrong types is answered as a 400 in that format.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import secrets
 from dataclasses import dataclass
 
@@ -19,44 +21,97 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moeserve.engine.requests import RequestError, validate_request
+from moeserve.engine.requests import RequestError, RequestLimits, validate_request
 from moeserve.engine.sampling_params import SamplingParams
-from moeserve.server.async_engine import AsyncEngine, RequestStream, SubRequest
+from moeserve.engine.tokenizer import (
+    TokenTexts, apply_chat_template, generation_defaults, load_chat_template, load_tokenizer,
+)
+from moeserve.server.outputs import ChoiceOutputs, ChoiceText
+from moeserve.server.engine_client import EngineClient, RequestStream, SubRequest
 from moeserve.server.protocol import (
     APIError, ChatCompletionRequest, ChatFormat, CompletionFormat, CompletionRequest, ModelCard, ModelList,
     SamplingFields, UsageInfo, new_id, now, validation_error,
 )
+from moeserve.server.tokenize import add_tokenizer_routes
 
 log = logging.getLogger("moeserve.server")
 
 
 class ServerState:
-    """What the handlers share: the engine loop, the served name, the key, the start time."""
+    """What the handlers share: the engine client, the tokenizer and the model's limits (from the core),
+    the chat template, the request defaults, the served name, the key, the start time."""
 
-    def __init__(self, async_engine: AsyncEngine, served_model_name: str, api_key: str | None):
-        self.async_engine = async_engine
-        self.engine = async_engine.engine
-        self.metrics = async_engine.metrics
-        self.served_model_name = served_model_name
+    def __init__(self, client: EngineClient, config, served_model_name: str | None = None,
+                 api_key: str | None = None):
+        self.client = client
+        self.config = config
+        self.metrics = client.metrics
+        self.served_model_name = served_model_name or config.model
         self.api_key = api_key
         self.created = now()
+        self.tokenizer = None
+        self.token_text = TokenTexts(None)
+        self.chat_template = load_chat_template(config.server.chat_template)
+        self.defaults: dict = {}
+        self.limits: RequestLimits | None = None
+        self.info: dict = {}
+
+    @property
+    def started(self) -> bool:
+        return self.client.started
+
+    def start(self) -> None:
+        """Start the engine core and, while it loads the model, the tokenizer (blocking)."""
+        from moeserve.config import resolve_model_source
+        source = resolve_model_source(self.config.model, self.config.weights_dir)
+        defaults = generation_defaults(source.config_dir, self.config.generation_config)
+        self.client.spawn()
+        try:
+            self.tokenizer = load_tokenizer(source.config_dir)
+        except BaseException:
+            self.client.close(5.0)
+            raise
+        self.token_text = TokenTexts(self.tokenizer)
+        self.defaults = defaults
+        ready = self.client.wait_ready()
+        self.info = ready.describe
+        self.hardware = ready.hardware
+        self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
+        self.limits = RequestLimits(ready.vocab_size, ready.max_model_len, self.tokenizer is not None)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                            f"`{self.served_model_name}`.", param="model", code="model_not_found")
 
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("prompt: this model has no tokenizer; send token ids instead of text")
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
-def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
-    state = ServerState(async_engine, served_model_name or async_engine.engine.config.model, api_key)
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        try:
+            return apply_chat_template(self.tokenizer, messages, self.chat_template, add_generation_prompt, **kwargs)
+        except ValueError as e:
+            if str(e).startswith("messages:"):
+                raise APIError.bad_param("messages", str(e)) from None
+            raise APIError.bad_param("messages", f"messages: the chat template failed: {type(e).__name__}: {e}") from None
+        except Exception as e:
+            raise APIError.bad_param("messages", f"messages: the chat template failed: {type(e).__name__}: {e}") from None
+
+
+def build_app(state: ServerState) -> FastAPI:
+    client = state.client
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        async_engine.start()
+        if not state.started:
+            state.start()
+        client.attach(asyncio.get_running_loop())
         try:
             yield
         finally:
-            await asyncio.to_thread(async_engine.shutdown)
+            await client.aclose()
 
     app = FastAPI(title="moeserve", description="OpenAI-compatible API of a moeserve engine", lifespan=lifespan)
     app.state.server = state
@@ -73,28 +128,33 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, a
 
     @app.get("/health")
     async def health():
-        if not async_engine.is_alive:
-            return JSONResponse({"status": "unhealthy", "error": repr(async_engine.error)}, status_code=503)
+        if not client.is_alive:
+            return JSONResponse({"status": "unhealthy", "error": client.error or "the engine is not running"},
+                                status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
         return Response(content=state.metrics.render(), media_type=state.metrics.content_type)
 
+    @app.get("/version")
+    async def version():
+        from moeserve import __version__
+        return {"version": __version__}
+
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
-        engine = state.engine
-        card = ModelCard(id=state.served_model_name, created=state.created, root=engine.config.model,
-                         max_model_len=engine.max_model_len, vocab_size=engine.arch.vocab_size)
+        card = ModelCard(id=state.served_model_name, created=state.created, root=state.config.model,
+                         max_model_len=state.max_model_len, vocab_size=state.vocab_size)
         return ModelList(data=[card]).model_dump()
 
     @app.get("/server_info", dependencies=[Depends(authorize)])
     async def server_info():
         """moeserve's own: the engine's description, configuration, memory and load."""
-        engine = state.engine
-        return {"served_model_name": state.served_model_name, "engine": engine.describe(),
-                "config": engine.config.model_dump(mode="json"), "memory": engine.memory_report(),
-                "hardware": engine.hardware.to_dict(), "load": async_engine.load()}
+        memory = await client.call("memory")
+        return {"served_model_name": state.served_model_name, "engine": state.info,
+                "config": state.config.model_dump(mode="json"), "memory": memory,
+                "hardware": state.hardware, "load": client.load(), "front_end_pid": os.getpid()}
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: Request):
@@ -112,6 +172,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, a
         return await _respond(request, state, job, ChatFormat(job.id, state.served_model_name,
                                                               body.return_token_ids))
 
+    add_tokenizer_routes(app, state, authorize)
     return app
 
 
@@ -127,7 +188,7 @@ def _note_unknown_fields(body) -> None:
 
 
 async def _respond(request: Request, state: ServerState, job: "Job", fmt):
-    stream = state.async_engine.submit(job.subrequests)
+    stream = state.client.submit(job.subrequests)
     if job.stream:
         return StreamingResponse(_sse_events(state, job, stream, fmt), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -145,8 +206,8 @@ async def _respond(request: Request, state: ServerState, job: "Job", fmt):
         with contextlib.suppress(asyncio.CancelledError, APIError):
             await collect
         return Response(status_code=499)
-    items, usage = collect.result()
-    return JSONResponse(fmt.response(items, usage))
+    items, usage, prompt_logprobs = collect.result()
+    return JSONResponse(fmt.response(items, usage, prompt_logprobs))
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -197,39 +258,52 @@ class Job:
     continuous_usage: bool
     stop: list[str]
     skip_special_tokens: bool
+    min_tokens: int = 0
+    n: int = 1
+    prompts: list[list[int]] | None = None
+    logprobs: int | None = None  # top-N alternatives of each output token (None: no logprobs)
+    chat: bool = False  # logprobs in the chat shape
+    echo: bool = False  # completions: the prompt comes first in text (and logprobs)
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone, no output tokens
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs extension (completions)
+    prompt_texts: list[str] | None = None
+
+    def prompt_of(self, index: int) -> int:
+        return index // self.n
 
 
-def _sampling_params(body: SamplingFields, max_tokens: int | None) -> SamplingParams:
+def _sampling_params(body: SamplingFields, max_tokens: int | None, defaults: dict | None = None,
+                     **extra) -> SamplingParams:
     for param, message in body.unsupported():
         raise APIError.bad_param(param, message)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    fallback = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0} | (defaults or {})
+    given = {name: getattr(body, name) for name in fallback}
     try:
         return SamplingParams(
-            n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if body.top_k is None else body.top_k,
-            min_p=0.0 if body.min_p is None else body.min_p, seed=body.seed, max_tokens=max_tokens,
-            min_tokens=body.min_tokens, stop_token_ids=list(body.stop_token_ids or []),
-            ignore_eos=body.ignore_eos, stop=stop)
+            n=body.n, **{k: fallback[k] if v is None else v for k, v in given.items()}, seed=body.seed,
+            max_tokens=max_tokens, min_tokens=body.min_tokens, stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=body.ignore_eos, stop=stop, **extra)
     except ValueError as e:
         raise APIError.from_message(str(e)) from None
 
 
 def _make_job(state: ServerState, body: SamplingFields, prompts: list[list[int]], limit: int | None,
-              limit_name: str, prompt_param: str, prefix: str) -> Job:
-    engine = state.engine
+              limit_name: str, prompt_param: str, prefix: str, **logprob_fields) -> Job:
     if limit is not None and limit < 1:
         raise APIError.bad_param(limit_name, f"{limit_name}: must be a positive integer, got {limit}")
-    if body.n * len(prompts) > state.async_engine.max_queue_len:
+    max_queue_len = state.client.max_queue_len
+    if body.n * len(prompts) > max_queue_len:
         raise APIError.bad_param("n", f"n: {body.n} choices x {len(prompts)} prompt(s) = {body.n * len(prompts)} "
                                       "sequences, more than the server queues at once "
-                                      f"(server.max_queue_len {state.async_engine.max_queue_len})")
+                                      f"(server.max_queue_len {max_queue_len})")
     per_prompt = []
     for k, ids in enumerate(prompts):
         where = prompt_param if len(prompts) == 1 else f"{prompt_param}[{k}]"
-        room = max(engine.max_model_len - len(ids), 1)  # the default output limit: what is left of the context
-        params = _sampling_params(body, limit if limit is not None else room)
+        room = max(state.max_model_len - len(ids), 1)  # the default output limit: what is left of the context
+        params = _sampling_params(body, limit if limit is not None else room, state.defaults, **logprob_fields)
         try:
-            validate_request(ids, params, engine.limits, strict_max_tokens=True, where=where)
+            validate_request(ids, params, state.limits, strict_max_tokens=True, where=where)
         except RequestError as e:
             msg = str(e)
             if msg.startswith("max_tokens:"):
@@ -240,100 +314,65 @@ def _make_job(state: ServerState, body: SamplingFields, prompts: list[list[int]]
     subs = []
     for k, (ids, params) in enumerate(zip(prompts, per_prompt)):
         for j in range(body.n):
-            try:
-                sub = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + j)
+            try:  # stop strings are found here, in the front end: the engine does not see them
+                sub = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + j, stop=[])
             except ValueError as e:
                 raise APIError.from_message(str(e)) from None
             subs.append(SubRequest(f"{job_id}-{k * body.n + j}", ids, sub, index=k * body.n + j))
     stream_options = body.stream_options
     include_usage = bool(stream_options and stream_options.include_usage)
     return Job(job_id, subs, [len(p) for p in prompts], body.stream, include_usage,
-               include_usage and stream_options.continuous_usage_stats, per_prompt[0].stop, body.skip_special_tokens)
+               include_usage and stream_options.continuous_usage_stats, per_prompt[0].stop, body.skip_special_tokens,
+               min_tokens=body.min_tokens, n=body.n, prompts=prompts)
 
 
 def prepare_completion(state: ServerState, body: CompletionRequest) -> Job:
-    engine = state.engine
     prompt = body.prompt
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
         raise APIError.bad_param("prompt", "prompt: must not be empty")
+    texts = None
     if isinstance(prompt[0], int):
         prompts = [list(prompt)]
     elif isinstance(prompt[0], str):
         try:
-            prompts = [engine.tokenize(p) for p in prompt]
+            prompts = [state.tokenize(p) for p in prompt]
         except RequestError as e:
             raise APIError.from_message(str(e), "prompt") from None
+        texts = list(prompt)
     else:
         prompts = [list(p) for p in prompt]
-    return _make_job(state, body, prompts, body.max_tokens, "max_tokens", "prompt", "cmpl")
+    limit = body.max_tokens
+    echo_only = body.echo and limit == 0
+    if echo_only:
+        limit = 1  # the engine computes the prompt (and samples one token, dropped here)
+    prompt_logprobs = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
+    job = _make_job(state, body, prompts, limit, "max_tokens", "prompt", "cmpl", logprobs=body.logprobs,
+                    prompt_logprobs=prompt_logprobs)
+    job.logprobs, job.echo, job.echo_only, job.prompt_logprobs = body.logprobs, body.echo, echo_only, body.prompt_logprobs
+    if body.echo:
+        job.prompt_texts = texts or [_decode(state, ids) for ids in prompts]
+    return job
 
 
 def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Job:
-    tok = state.engine.tokenizer
-    if tok is None:
-        raise APIError.bad_param("messages", "messages: this model has no tokenizer, so chat is not available; "
-                                 "use /v1/completions with token-id prompts")
-    if not getattr(tok, "chat_template", None):
-        raise APIError.bad_param("messages", "messages: this model's tokenizer has no chat template; "
-                                 "use /v1/completions")
     messages = body.template_messages()
-    try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
-                                       **(body.chat_template_kwargs or {}))
-        ids = tok.encode(text, add_special_tokens=False)
-    except Exception as e:
-        raise APIError.bad_param("messages", f"messages: the chat template failed: {type(e).__name__}: {e}") from None
-    return _make_job(state, body, [ids], body.output_limit(), body.output_limit_name(), "messages", "chatcmpl")
+    ids = state.chat_prompt(messages, body.add_generation_prompt, **(body.chat_template_kwargs or {}))
+    top = body.top_logprobs or 0 if body.logprobs else None
+    job = _make_job(state, body, [ids], body.output_limit(), body.output_limit_name(), "messages", "chatcmpl",
+                    logprobs=top)
+    job.logprobs, job.chat = top, True
+    return job
+
+
+def _decode(state: ServerState, ids: list[int]) -> str:
+    return state.tokenizer.decode(ids) if state.tokenizer is not None else ""
 
 
 # --- from engine tokens to text and events --------------------------------------------------------
-
-class ChoiceText:
-    """One choice's tokens and text. Streaming decodes a small window per step (vLLM's incremental
-    detokenizer) and holds back the tail a stop string could still start in."""
-
-    def __init__(self, tokenizer, skip_special_tokens: bool, stop: list[str]):
-        self.tokenizer, self.skip, self.stop = tokenizer, skip_special_tokens, stop
-        self.token_ids: list[int] = []
-        self.finish_reason: str | None = None
-        self.text = ""
-        self.sent = 0
-        self._prefix = self._read = 0
-        self._holdback = max((len(s) for s in stop), default=1) - 1
-
-    def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip) if self.tokenizer is not None else ""
-
-    def add(self, token_ids: list[int], finish: str | None) -> str:
-        """Take new tokens; return the text to stream now."""
-        self.token_ids.extend(token_ids)
-        if finish is not None:
-            self.finish_reason = finish
-        if self.tokenizer is not None and token_ids:
-            prefix = self._decode(self.token_ids[self._prefix:self._read])
-            full = self._decode(self.token_ids[self._prefix:])
-            if len(full) > len(prefix) and (finish is not None or not full.endswith("\ufffd")):
-                self.text += full[len(prefix):]
-                self._prefix, self._read = self._read, len(self.token_ids)
-        end = len(self.text) - (0 if finish is not None else self._holdback)
-        if finish is not None:
-            end = max(self.sent, self._cut(self.text))
-        if end <= self.sent:
-            return ""
-        out, self.sent = self.text[self.sent:end], end
-        return out
-
-    def _cut(self, text: str) -> int:
-        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        return min(cuts) if cuts else len(text)
-
-    def final_text(self) -> str:
-        """The whole text decoded at once, cut at the first stop string (as ``LLM.generate`` returns it)."""
-        text = self._decode(self.token_ids)
-        return text[:self._cut(text)]
-
 
 def _usage(job: Job, choices: dict[int, ChoiceText]) -> UsageInfo:
     prompt = sum(job.prompt_lens)
@@ -341,53 +380,40 @@ def _usage(job: Job, choices: dict[int, ChoiceText]) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def _choices(state: ServerState, job: Job) -> dict[int, ChoiceText]:
-    return {s.index: ChoiceText(state.engine.tokenizer, job.skip_special_tokens, job.stop) for s in job.subrequests}
-
-
 def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 async def _sse_events(state: ServerState, job: Job, stream: RequestStream, fmt):
-    choices = _choices(state, job)
+    output = ChoiceOutputs(state, job, stream)
     try:
-        for chunk in fmt.start(sorted(choices)):
+        for chunk in fmt.start(sorted(output.choices)):
             yield _event(chunk)
         while not stream.finished:
             batch = await stream.next_batch()
-            error = next((d.error for d in batch if d.error is not None), None)
-            if error is not None:
+            try:
+                items = output.take(batch)
+            except APIError as error:
                 yield _event(error.body())
                 break
-            merged: dict[int, list] = {}
-            for d in batch:
-                entry = merged.setdefault(d.index, [[], None])
-                entry[0].extend(d.token_ids)
-                entry[1] = d.finish_reason or entry[1]
-            items = [(i, choices[i].add(toks, finish), toks, finish) for i, (toks, finish) in merged.items()]
-            yield _event(fmt.chunk(items, _usage(job, choices) if job.continuous_usage else None))
+            if items:
+                yield _event(fmt.chunk(items, _usage(job, output.choices) if job.continuous_usage else None))
         else:
             if job.include_usage:
-                yield _event(fmt.usage_chunk(_usage(job, choices)))
+                yield _event(fmt.usage_chunk(_usage(job, output.choices)))
         yield "data: [DONE]\n\n"
     finally:
         if not stream.finished:
-            state.async_engine.abort(stream.request_ids)
+            state.client.abort(stream.request_ids)
 
 
 async def _collect(state: ServerState, job: Job, stream: RequestStream):
-    choices = _choices(state, job)
+    output = ChoiceOutputs(state, job, stream)
     try:
         while not stream.finished:
-            for d in await stream.next_batch():
-                if d.error is not None:
-                    raise d.error
-                c = choices[d.index]
-                c.token_ids.extend(d.token_ids)
-                c.finish_reason = d.finish_reason or c.finish_reason
+            output.take(await stream.next_batch())
     finally:
         if not stream.finished:
-            state.async_engine.abort(stream.request_ids)
-    items = [(i, c.final_text(), c.token_ids, c.finish_reason) for i, c in sorted(choices.items())]
-    return items, _usage(job, choices)
+            state.client.abort(stream.request_ids)
+    items, prompt_logprobs = output.final()
+    return items, _usage(job, output.choices), prompt_logprobs

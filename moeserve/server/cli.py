@@ -1,12 +1,17 @@
-"""``moeserve serve``: build the engine, then serve the OpenAI API with uvicorn.
+"""``moeserve serve``: bind the port, start the engine core (a child process that loads the model), then
+serve the OpenAI API with uvicorn.
 
-``BackgroundServer`` runs the same server on a thread of the calling process (tests, notebooks).
+The listening socket is bound first, so a port in use is reported in one line before anything loads.
+SIGTERM or Ctrl+C drains: no new connections, running requests finish (up to ``server.shutdown_timeout``
+seconds), then the engine core stops and the process exits 0. ``BackgroundServer`` runs the same server
+on a thread of the calling process (tests, notebooks); its engine core is still a child process.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import signal
 import socket
 import sys
 import threading
@@ -28,6 +33,8 @@ def register(subparsers, name: str, help: str) -> None:
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     g.add_argument("--max-queue-len", type=int, default=None,
                    help="answer 503 once this many requests wait (config server.max_queue_len, default 256)")
+    g.add_argument("--chat-template", default=None, help="a Jinja chat template, inline or a file (default: the "
+                   "tokenizer's)")
     g.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level (default warning)")
     p.set_defaults(func=run_serve)
 
@@ -37,65 +44,99 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from moeserve.args import config_from_args
     from moeserve.config import ConfigError
+    from moeserve.server.engine_client import EngineStartError
 
     config = config_from_args(args)
-    for field in ("host", "port", "api_key", "served_model_name", "max_queue_len"):
-        value = getattr(args, field)
+    for field in ("host", "port", "api_key", "served_model_name", "max_queue_len", "chat_template"):
+        value = getattr(args, field, None)
         if value is not None:
             try:
                 setattr(config.server, field, value)
             except ValidationError as e:
                 raise ConfigError(f"config error: server.{field}: {e.errors()[0]['msg']} (got {value!r})") from None
-    server = build_server(config)
+    host, port = config.server.host, config.server.port
     try:
-        return asyncio.run(_serve(server, config, args.uvicorn_log_level))
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it handled, after a clean shutdown
+        sock = bind_socket(host, port)
+    except OSError as e:
+        print(f"error: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    app = build_server(config)
+    bound = sock.getsockname()[:2]
+    print(f"moeserve: listening on {_url(*bound)}; starting the engine", flush=True)
+    try:
+        app.state.server.start()
+    except EngineStartError as e:
+        print(f"error: the engine did not start: {e}", file=sys.stderr)
+        return 2 if e.user_error else 1
+    previous = signal.signal(signal.SIGTERM, _terminated)  # uvicorn re-raises SIGTERM once it has drained
+    try:
+        return asyncio.run(_serve(app, sock, args.uvicorn_log_level))
+    except (KeyboardInterrupt, _Terminated):  # uvicorn re-raises the signal it handled, after draining
         return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if app.state.server.client.process is not None:
+            app.state.server.client.close(5.0)
 
 
-def build_server(config):
-    """The engine, its loop and the FastAPI app for ``config`` (the loop starts with the app)."""
-    from moeserve.engine.engine import LLMEngine
-    from moeserve.server.app import build_app
-    from moeserve.server.async_engine import AsyncEngine
+class _Terminated(Exception):
+    pass
+
+
+def _terminated(signum, frame):
+    raise _Terminated()
+
+
+def _url(host, port) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+def build_server(config, engine_factory: str | None = None):
+    """The FastAPI app for ``config``: its engine core starts with the app (or earlier, through
+    ``app.state.server.start()``). ``engine_factory`` (``"module:function"``) builds the core's engine
+    instead of ``LLMEngine`` (tests inject faults this way)."""
+    from moeserve.server.app import ServerState, build_app
+    from moeserve.server.engine_client import EngineClient
     from moeserve.server.metrics import ServerMetrics
 
-    engine = LLMEngine(config)
     name = config.server.served_model_name or config.model
-    async_engine = AsyncEngine(engine, config.server.max_queue_len, ServerMetrics(name))
-    return build_app(async_engine, name, config.server.api_key)
+    client = EngineClient(config, config.server.max_queue_len, ServerMetrics(name), engine_factory)
+    return build_app(ServerState(client, config, name, config.server.api_key))
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket. It must say IPPROTO_TCP: asyncio turns Nagle's algorithm off (TCP_NODELAY) only
+    on connections of sockets that do; with proto 0, a streamed chunk written behind the response headers
+    waited for the client's delayed ACK, adding ~40 ms to the first token."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.set_inheritable(True)
     return sock
 
 
-def _uvicorn_server(app, log_level: str):
+def _uvicorn_server(app, log_level: str, graceful: float = 30.0):
     import uvicorn
-    cfg = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5,
+    cfg = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=graceful,
                          lifespan="on")
     return uvicorn.Server(cfg)
 
 
-async def _serve(app, config, log_level: str) -> int:
-    sock = bind_socket(config.server.host, config.server.port)
+async def _serve(app, sock, log_level: str) -> int:
     host, port = sock.getsockname()[:2]
-    server = _uvicorn_server(app, log_level)
+    state = app.state.server
+    server = _uvicorn_server(app, log_level, state.config.server.shutdown_timeout)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
-        state = app.state.server
-        d = state.engine.describe()
-        shown = f"[{host}]" if ":" in host else host
-        print(f"moeserve: serving {state.served_model_name!r} at http://{shown}:{port}/v1 "
+        d = state.info
+        print(f"moeserve: serving {state.served_model_name!r} at {_url(host, port)}/v1 "
               f"(device {d['device']}, {d['dtype']}, {d['kv_pages']} KV pages of {d['page_size']} tokens, "
-              f"max_model_len {d['max_model_len']})", flush=True)
+              f"max_model_len {d['max_model_len']}; engine core pid {d['pid']})", flush=True)
         print("moeserve: backends " + ", ".join(f"{op}={b}" for op, b in d["backends"].items()), flush=True)
         if state.api_key:
             print("moeserve: /v1 routes need 'Authorization: Bearer <api key>'", flush=True)

@@ -1,8 +1,10 @@
 """Prometheus metrics of one server, in its own registry (so several servers can share a process).
 
 Names follow vLLM's where there is one (``vllm:time_to_first_token_seconds`` becomes
-``moeserve_time_to_first_token_seconds``). The engine thread records requests and tokens as they happen;
-the gauges are set after every step.
+``moeserve_time_to_first_token_seconds``), and the same figures are also exported under vLLM's own names
+(``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``, ``vllm:num_requests_running``,
+...), so dashboards made for vLLM work unchanged. The front end records requests and tokens as their
+outputs arrive; the gauges follow the engine core's load reports.
 """
 from __future__ import annotations
 
@@ -47,12 +49,17 @@ class ServerMetrics:
         self._m = {name: getattr(self, name).labels(model_name) for name in (
             "prompt_tokens", "generation_tokens", "ttft", "itl", "e2e", "running", "waiting", "pages_used",
             "pages_total", "preemptions")}
+        self.vllm = VllmMetrics(r, model_name)
+        for name, twin in self.vllm.twins().items():
+            self._m[name] = _Both(self._m[name], *twin)
 
     def __getitem__(self, name: str):
         return self._m[name]
 
     def request_done(self, outcome: str) -> None:
         self.requests.labels(self.model_name, outcome).inc()
+        if outcome != "error":
+            self.vllm.success.labels(self.model_name, outcome).inc()
 
     def request_rejected(self, status: int) -> None:
         self.rejected.labels(self.model_name, str(status)).inc()
@@ -64,9 +71,67 @@ class ServerMetrics:
         m["pages_used"].set(pages_used)
         m["pages_total"].set(pages_total)
         m["preemptions"].set(preemptions)
+        self.vllm.kv_usage.set(pages_used / pages_total if pages_total else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Both:
+    """One figure recorded under two names."""
+
+    def __init__(self, *children):
+        self.children = children
+
+    def observe(self, value: float) -> None:
+        for c in self.children:
+            c.observe(value)
+
+    def inc(self, value: float = 1) -> None:
+        for c in self.children:
+            c.inc(value)
+
+    def set(self, value: float) -> None:
+        for c in self.children:
+            c.set(value)
+
+
+class VllmMetrics:
+    """The same figures under vLLM's metric names (vLLM 0.26), for dashboards built for vLLM."""
+
+    def __init__(self, r: CollectorRegistry, model_name: str):
+        labels = ["model_name"]
+        self.model_name = model_name
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             labels, buckets=ITL_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in "
+                              "seconds (the inter-token latency, vLLM's older name).", labels, buckets=ITL_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                             labels, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                             labels, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                                         labels, registry=r)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               labels + ["finished_reason"], registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels,
+                              registry=r).labels(model_name)
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(model_name, reason)
+
+    def twins(self) -> dict[str, tuple]:
+        """moeserve figure -> its vLLM-named children."""
+        n = self.model_name
+        return {"ttft": (self.ttft.labels(n),), "itl": (self.itl.labels(n), self.tpot.labels(n)),
+                "e2e": (self.e2e.labels(n),), "running": (self.running.labels(n),),
+                "waiting": (self.waiting.labels(n),), "prompt_tokens": (self.prompt_tokens.labels(n),),
+                "generation_tokens": (self.generation_tokens.labels(n),)}
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -1,8 +1,8 @@
 """The OpenAI API's request and response shapes, as pydantic models, and its error format.
 
 Requests are validated strictly (``"5"`` is not an integer, ``1`` is not a boolean); fields the API does
-not know are ignored, as vLLM does, and logged. Parameters moeserve cannot honour (logprobs, penalties,
-echo, tools, ...) are refused with a 400 naming them rather than silently dropped.
+not know are ignored, as vLLM does, and logged. Parameters moeserve cannot honour (penalties, tools,
+suffix, ...) are refused with a 400 naming them rather than silently dropped.
 """
 from __future__ import annotations
 
@@ -157,12 +157,6 @@ class CompletionRequest(SamplingFields):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.logprobs is not None:
-            out.append(("logprobs", "logprobs: log probabilities are not supported by this server"))
-        if self.prompt_logprobs is not None:
-            out.append(("prompt_logprobs", "prompt_logprobs: not supported by this server"))
-        if self.echo:
-            out.append(("echo", "echo: echoing the prompt is not supported"))
         if self.suffix is not None:
             out.append(("suffix", "suffix: not supported"))
         if self.best_of is not None and self.best_of != self.n:
@@ -195,10 +189,10 @@ class ChatCompletionRequest(SamplingFields):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.logprobs:
-            out.append(("logprobs", "logprobs: log probabilities are not supported by this server"))
-        if self.top_logprobs is not None:
-            out.append(("top_logprobs", "top_logprobs: log probabilities are not supported by this server"))
+        if self.top_logprobs is not None and not self.logprobs:
+            out.append(("top_logprobs", "top_logprobs: needs logprobs set to true"))
+        elif self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            out.append(("top_logprobs", f"top_logprobs: must be an integer in [0, 20], got {self.top_logprobs}"))
         if self.tools:
             out.append(("tools", "tools: tool calling is not supported"))
         if self.tool_choice not in (None, "none", "auto"):
@@ -214,24 +208,45 @@ class ChatCompletionRequest(SamplingFields):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def template_messages(self) -> list[dict]:
-        """The messages as plain dicts for ``apply_chat_template``; content parts must be text."""
-        out = []
-        for i, m in enumerate(self.messages):
-            content = m.content
-            if isinstance(content, list):
-                texts = []
-                for j, part in enumerate(content):
-                    if part.type != "text" or part.text is None:
-                        raise APIError.bad_param(f"messages[{i}].content[{j}]",
-                                                 f"messages[{i}].content[{j}]: only text parts are supported, "
-                                                 f"got type {part.type!r}")
-                    texts.append(part.text)
-                content = "\n".join(texts)
-            msg = {"role": m.role, "content": content or ""}
-            if m.name is not None:
-                msg["name"] = m.name
-            out.append(msg)
-        return out
+        return template_messages(self.messages)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as plain dicts for ``apply_chat_template``; content parts must be text."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise APIError.bad_param(f"messages[{i}].content[{j}]",
+                                             f"messages[{i}].content[{j}]: only text parts are supported, "
+                                             f"got type {part.type!r}")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        msg = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a ``prompt`` or chat ``messages`` (through the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as vLLM)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
 
 
 # --- responses -----------------------------------------------------------------------------------
@@ -246,12 +261,20 @@ class UsageInfo(_Response):
     total_tokens: int = 0
 
 
+class CompletionLogprobs(_Response):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, dict] | None] | None = None
 
 
 class CompletionResponse(_Response):
@@ -268,10 +291,24 @@ class AssistantMessage(_Response):
     content: str
 
 
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobsContent(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatLogprobsContent] | None = None
+
+
 class ChatChoice(_Response):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
 
@@ -293,7 +330,7 @@ class DeltaMessage(_Response):
 class ChatStreamChoice(_Response):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
 
@@ -332,7 +369,9 @@ class ModelList(_Response):
 
 
 # --- response shaping ----------------------------------------------------------------------------
-# A choice's output as the handlers hand it over: (index, text, token_ids, finish_reason). Stream chunks
+# A choice's output as the handlers hand it over: (index, text, token_ids, finish_reason, logprobs), the
+# logprobs already in the endpoint's shape (or None); completions may add each choice's
+# ``prompt_logprobs`` (vLLM's extension) to the full response. Stream chunks
 # are built as plain dicts (one per step per request, so they stay cheap); they have the shapes of
 # ``CompletionChunk`` and ``ChatCompletionChunk`` above.
 
@@ -348,8 +387,8 @@ class CompletionFormat:
         return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage.model_dump() if usage is not None else None}
 
-    def _stream_choice(self, index, text, token_ids, finish) -> dict:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish,
+    def _stream_choice(self, index, text, token_ids, finish, logprobs=None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
                 "token_ids": list(token_ids) if self.return_token_ids else None}
 
     def start(self, indices) -> list[dict]:
@@ -361,10 +400,12 @@ class CompletionFormat:
     def usage_chunk(self, usage: UsageInfo) -> dict:
         return self._chunk([], usage)
 
-    def response(self, items, usage: UsageInfo) -> dict:
-        choices = [CompletionChoice(index=i, text=text, finish_reason=finish,
-                                    token_ids=list(ids) if self.return_token_ids else None)
-                   for i, text, ids, finish in items]
+    def response(self, items, usage: UsageInfo, prompt_logprobs: dict | None = None) -> dict:
+        prompt_logprobs = prompt_logprobs or {}
+        choices = [CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=logprobs,
+                                    token_ids=list(ids) if self.return_token_ids else None,
+                                    prompt_logprobs=prompt_logprobs.get(i))
+                   for i, text, ids, finish, logprobs in items]
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                   usage=usage).model_dump()
 
@@ -378,13 +419,13 @@ class ChatFormat(CompletionFormat):
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for i in indices])]
 
-    def _stream_choice(self, index, text, token_ids, finish) -> dict:
-        return {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": finish,
+    def _stream_choice(self, index, text, token_ids, finish, logprobs=None) -> dict:
+        return {"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": finish,
                 "token_ids": list(token_ids) if self.return_token_ids else None}
 
-    def response(self, items, usage: UsageInfo) -> dict:
+    def response(self, items, usage: UsageInfo, prompt_logprobs: dict | None = None) -> dict:
         choices = [ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=finish,
-                              token_ids=list(ids) if self.return_token_ids else None)
-                   for i, text, ids, finish in items]
+                              logprobs=logprobs, token_ids=list(ids) if self.return_token_ids else None)
+                   for i, text, ids, finish, logprobs in items]
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=usage).model_dump()

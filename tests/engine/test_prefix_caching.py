@@ -133,3 +133,18 @@ def test_freed_cached_pages_are_reused_oldest_first_and_tail_first():
     assert m.num_free == 0
     with pytest.raises(RuntimeError, match="freed twice"):
         m.free([first[2], first[2]])
+
+
+def test_a_request_for_prompt_logprobs_computes_its_whole_prompt(tmp_path):
+    """Prompt log-probabilities are not cached: such a request skips the cache (as vLLM's), and gets every
+    prompt position scored, the same as without caching."""
+    make_checkpoint("qwen3_moe", tmp_path, seed=8)
+    on, off = make_llm(tmp_path, True), make_llm(tmp_path, False)
+    p = prompts()["a"]
+    on.generate({"prompt_token_ids": p}, GREEDY)  # cache the prompt
+    scored = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+    got, want = on.generate({"prompt_token_ids": p}, scored)[0], off.generate({"prompt_token_ids": p}, scored)[0]
+    assert got.num_cached_tokens == 0 and len(got.prompt_logprobs) == len(p) and got.prompt_logprobs[0] is None
+    for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+        assert set(a) == set(b) and all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
+    assert on.generate({"prompt_token_ids": p}, GREEDY)[0].num_cached_tokens == 24  # others still hit

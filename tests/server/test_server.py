@@ -1,6 +1,7 @@
-"""The OpenAI-compatible server, started for real (uvicorn on a free port, tiny random checkpoint, CPU),
-seen through the official ``openai`` client and raw HTTP: shapes, streaming framing, concurrency,
-disconnects, queue limits, engine failures, and agreement with ``LLM.generate``."""
+"""The OpenAI-compatible server, started for real (uvicorn on a free port, tiny random checkpoint, CPU,
+the engine core in a child process), seen through the official ``openai`` client and raw HTTP: shapes,
+streaming framing, concurrency, disconnects, queue limits, engine failures, and agreement with
+``LLM.generate``."""
 import asyncio
 import json
 import time
@@ -14,6 +15,7 @@ from moeserve.config import make_config
 from moeserve.server.cli import BackgroundServer, build_server
 from moeserve.server.metrics import parse_metrics
 from moeserve.server.protocol import ChatCompletionChunk, CompletionChunk
+from fault_engines import FAIL_ADD_TOKEN, FAIL_STEP_TOKEN
 from tokenizer_utils import make_tiny_model
 
 MAX_MODEL_LEN = 128
@@ -29,25 +31,29 @@ class Handle:
     def __init__(self, srv: BackgroundServer, config):
         self.srv, self.url, self.config = srv, srv.url, config
         self.state = srv.app.state.server
-        self.engine = self.state.engine
-        self.async_engine = self.state.async_engine
+        self.client = self.state.client
+        self.tokenizer = self.state.tokenizer
 
     def metrics(self) -> dict:
         return parse_metrics(httpx.get(self.url + "/metrics").text)
 
+    def load(self) -> dict:
+        return self.client.load()
+
     def wait_pool_full(self, timeout: float = 5.0) -> None:
-        pool = self.engine.pool
+        """Every KV page back and no request left in the engine core (as it last reported)."""
         deadline = time.monotonic() + timeout
-        while pool.num_free != pool.capacity and time.monotonic() < deadline:
+        while (self.load()["kv_pages_used"] or self.load()["sequences"]) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert pool.num_free == pool.capacity, f"{pool.num_used} KV pages still in use"
+        load = self.load()
+        assert load["kv_pages_used"] == 0 and load["sequences"] == 0, load
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny_server"))
     config = tiny_config(model_dir, max_queue_len=64)
-    with BackgroundServer(build_server(config)) as srv:
+    with BackgroundServer(build_server(config, engine_factory="fault_engines:faulty_engine")) as srv:
         yield Handle(srv, config)
 
 
@@ -69,7 +75,7 @@ def test_models_health_and_metrics_endpoints(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny-moe"]
     m = server.metrics()
-    assert m["moeserve_kv_pages_total"] == server.engine.pool.capacity
+    assert m["moeserve_kv_pages_total"] == server.load()["kv_pages_total"] == 299
     assert m["moeserve_kv_pages_used"] == 0
     assert m["moeserve_num_requests_running"] == 0 and m["moeserve_num_requests_waiting"] == 0
 
@@ -81,7 +87,7 @@ def test_completion_with_openai_client(server, client):
     assert out.id.startswith("cmpl-") and out.object == "text_completion" and out.model == "tiny-moe"
     assert len(out.choices) == 1 and out.choices[0].index == 0 and out.choices[0].finish_reason == "length"
     assert isinstance(out.choices[0].text, str) and out.choices[0].text
-    prompt_len = len(server.engine.tokenizer.encode("hello world"))
+    prompt_len = len(server.tokenizer.encode("hello world"))
     assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (prompt_len, 6,
                                                                                               prompt_len + 6)
     after = server.metrics()
@@ -157,8 +163,8 @@ def test_chat_with_openai_client_stream_and_not(server, client):
                                           extra_body={"ignore_eos": True})
     assert full.id.startswith("chatcmpl-") and full.object == "chat.completion"
     assert full.choices[0].message.role == "assistant" and full.choices[0].finish_reason == "length"
-    template = server.engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert full.usage.prompt_tokens == len(server.engine.tokenizer.encode(template, add_special_tokens=False))
+    template = server.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert full.usage.prompt_tokens == len(server.tokenizer.encode(template, add_special_tokens=False))
     assert full.usage.completion_tokens == 7
 
     chunks = list(client.chat.completions.create(model="tiny-moe", messages=messages, max_tokens=7, temperature=0,
@@ -181,7 +187,7 @@ def test_batched_prompts_and_n(server):
     assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
     ids = [c["token_ids"] for c in out["choices"]]
     assert ids[0] == ids[1] and ids[2] == ids[3], "greedy choices of one prompt agree"
-    tok = server.engine.tokenizer
+    tok = server.tokenizer
     assert out["usage"]["prompt_tokens"] == len(tok.encode("hello world")) + len(tok.encode("the lazy dog"))
     assert out["usage"]["completion_tokens"] == 16
     lists = httpx.post(server.url + "/v1/completions", json={"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 2,
@@ -213,7 +219,6 @@ def test_32_concurrent_streams_all_complete(server):
     results = asyncio.run(main())
     assert results == [(8, 8, "[DONE]")] * 32
     server.wait_pool_full()
-    assert not server.engine.sequences
 
 
 def _abort_count(server) -> float:
@@ -227,10 +232,10 @@ def test_client_disconnect_mid_stream_aborts_and_frees_pages(server):
         lines = r.iter_lines()
         got = [next(lines) for _ in range(3)]
         assert got[0].startswith("data: ")
-        assert server.engine.pool.num_used > 0
+        assert server.load()["kv_pages_used"] > 0
     server.wait_pool_full()
     assert _abort_count(server) == aborted + 1
-    assert not server.engine.sequences and not server.engine.scheduler.running
+    assert server.load()["running"] == 0
 
 
 def test_client_disconnect_without_streaming_aborts(server):
@@ -255,18 +260,18 @@ def test_full_queue_answers_503_and_accepted_requests_finish(server):
     async def main():
         async with httpx.AsyncClient(timeout=120) as c:
             long = [asyncio.create_task(one(c, i, 100)) for i in range(8)]  # fill the batch (max_num_seqs 8)
-            deadline = time.monotonic() + 10
-            while server.async_engine.load()["running"] < 8 and time.monotonic() < deadline:
+            deadline = time.monotonic() + 30  # a loaded machine takes a while to admit all 8
+            while server.load()["running"] < 8 and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-            server.async_engine.max_queue_len = 2
-            running = server.async_engine.load()["running"]
+            server.client.max_queue_len = 2
+            running = server.load()["running"]
             extra = await asyncio.gather(*(one(c, 100 + i, 4) for i in range(6)))
             return running, await asyncio.gather(*long), extra
 
     try:
         running, long, extra = asyncio.run(main())
     finally:
-        server.async_engine.max_queue_len = 64
+        server.client.max_queue_len = 64
     assert running == 8
     assert all(status == 200 and b["usage"]["completion_tokens"] == 100 for status, b in long)
     refused = [b for status, b in extra if status == 503]
@@ -279,20 +284,11 @@ def test_full_queue_answers_503_and_accepted_requests_finish(server):
     assert ok.status_code == 200
 
 
-def test_failing_engine_step_fails_its_requests_and_the_server_keeps_serving(server, monkeypatch):
-    runner = server.engine.runner
-    real_launch = runner.launch
-    calls = {"n": 0}
-
-    def flaky(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("injected kernel failure")
-        return real_launch(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "launch", flaky)
-    bad = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 5, 5], "max_tokens": 8, "ignore_eos": True},
-                     timeout=60)
+def test_failing_engine_step_fails_its_requests_and_the_server_keeps_serving(server):
+    """The engine core runs ``fault_engines.faulty_engine``: decoding a prompt that starts with
+    FAIL_STEP_TOKEN raises inside the step."""
+    bad = httpx.post(server.url + "/v1/completions", json={"prompt": [FAIL_STEP_TOKEN, 5, 5], "max_tokens": 8,
+                                                           "ignore_eos": True}, timeout=60)
     assert bad.status_code == 500
     err = bad.json()["error"]
     assert err["type"] == "server_error" and "injected kernel failure" in err["message"]
@@ -303,20 +299,12 @@ def test_failing_engine_step_fails_its_requests_and_the_server_keeps_serving(ser
     assert server.metrics()['moeserve_requests_total{model_name="tiny-moe",outcome="error"}'] >= 1
 
 
-def test_failing_add_request_is_a_500_for_that_request_only(server, monkeypatch):
-    engine = server.engine
-    real_add = engine.add_request
-
-    def add(prompt_token_ids, params=None, request_id=None):
-        if prompt_token_ids[0] == 13:
-            raise KeyError("injected")
-        return real_add(prompt_token_ids, params, request_id)
-
-    monkeypatch.setattr(engine, "add_request", add)
-    bad = httpx.post(server.url + "/v1/completions", json={"prompt": [13, 1], "max_tokens": 2, "stream": True},
-                     timeout=60)
+def test_failing_add_request_is_a_500_for_that_request_only(server):
+    bad = httpx.post(server.url + "/v1/completions", json={"prompt": [FAIL_ADD_TOKEN, 1], "max_tokens": 2,
+                                                           "stream": True}, timeout=60)
     events = sse_events(bad.text)
     assert json.loads(events[0])["error"]["type"] == "server_error" and events[-1] == "[DONE]"
+    assert "injected failure" in json.loads(events[0])["error"]["message"]
     good = httpx.post(server.url + "/v1/completions", json={"prompt": [14, 1], "max_tokens": 2}, timeout=60)
     assert good.status_code == 200
     server.wait_pool_full()

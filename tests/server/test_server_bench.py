@@ -70,3 +70,28 @@ def test_bench_online_reports_failures(server_url, tmp_path):
     row = engine["results"][0]
     assert row["completed"] == 0 and row["failed"] == 6 and row["ttft_mean_ms"] is None
     assert "model_not_found" in row["runs"][0]["errors"][0]
+
+
+def test_bench_serving_compares_offline_and_online_in_one_run(tmp_path):
+    """``moeserve bench serving`` on the tiny model: offline engine, then ``moeserve serve`` on the same
+    config; every request of both completes and the comparison has finite TTFT/ITL at each level."""
+    from moeserve.bench import serving_overhead
+    model_dir = make_tiny_model(tmp_path / "tiny")
+    parser = argparse.ArgumentParser()
+    serving_overhead.add_args(parser)
+    args = parser.parse_args(["--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
+                              "--max-model-len", "128", "--num-kv-pages", "200", "--page-size", "8",
+                              "--enforce-eager", "--input-len", "16", "--output-len", "4",
+                              "--max-concurrency", "1", "2", "--num-prompts", "4", "--num-warmups", "1",
+                              "--out", str(tmp_path / "out")])
+    assert serving_overhead.run(args) == 0
+    [path] = (tmp_path / "out").glob("serving-overhead-*.json")
+    result = json.loads(path.read_text())
+    assert [r["concurrency"] for r in result["comparison"]] == [1, 2]
+    for side in ("offline", "online"):
+        for row in result[side]:
+            assert row["completed"] == 4 and row["failed"] == 0 and row["total_output_tokens"] == 16
+    for row in result["comparison"]:
+        for key in ("offline_ttft_ms", "online_ttft_ms", "offline_itl_ms", "online_itl_ms", "itl_ratio"):
+            assert math.isfinite(row[key]) and row[key] > 0, key
+        assert math.isfinite(row["added_ttft_ms"])

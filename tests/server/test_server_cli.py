@@ -1,10 +1,15 @@
 """``moeserve serve`` as users start it: a subprocess that prints its URL and backends once ready, takes
-its settings from flags and the config's server section, and stops cleanly on Ctrl+C."""
+its settings from flags and the config's server section, stops cleanly on Ctrl+C, drains running requests
+on SIGTERM, and reports a port in use in one line before loading anything."""
+import json
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -63,3 +68,63 @@ def test_serve_rejects_a_bad_server_setting_by_name(model_dir):
     r = subprocess.run(serve_cmd(model_dir, "--port", "70000"), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "server.port" in r.stderr
+
+
+def test_a_port_in_use_is_one_line_before_anything_loads(model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        r = subprocess.run(serve_cmd(model_dir, "--port", str(port)), capture_output=True, text=True, timeout=120)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 1
+    assert len(lines) == 1 and "already in use" in lines[0] and str(port) in lines[0], r.stderr
+    assert "Traceback" not in r.stderr and "starting the engine" not in r.stdout, "failed before loading the model"
+    assert time.monotonic() - t0 < 60
+
+
+def _read_stream(url: str, out: dict, first: threading.Event) -> None:
+    body = {"prompt": [4, 5, 6], "max_tokens": 500, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out["events"].append(line[6:])
+                first.set()
+
+
+def test_sigterm_drains_running_requests_then_exits(model_dir):
+    proc = subprocess.Popen(serve_cmd(model_dir, "--port", "0", "--max-model-len", "512", "--num-kv-pages", "100",
+                                      "--set", "server.shutdown_timeout=60"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and url is None:
+            line = proc.stdout.readline()
+            m = re.search(r"serving .* at (http://[^/]+)/v1", line)
+            url = m.group(1) if m else None
+        assert url, "the server did not start"
+        core = httpx.get(url + "/server_info").json()["engine"]["pid"]
+        out, first = {"events": []}, threading.Event()
+        reader = threading.Thread(target=_read_stream, args=(url, out, first))
+        reader.start()
+        assert first.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        got_at_term = len(out["events"])
+        time.sleep(0.3)
+        with pytest.raises(httpx.ConnectError):  # no new connections while draining
+            httpx.get(url + "/health", timeout=5)
+        reader.join(120)
+        assert proc.wait(60) == 0
+        events = out["events"]
+        assert got_at_term < 500 and events[-1] == "[DONE]", "the stream was cut short"
+        tokens = sum(len(json.loads(e)["choices"][0]["token_ids"]) for e in events[:-1])
+        assert tokens == 500
+        assert not Path(f"/proc/{core}").exists(), "the engine core exited too"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()

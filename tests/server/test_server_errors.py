@@ -67,8 +67,8 @@ BAD_COMPLETIONS = [
     ({"prompt": [1, VOCAB]}, "prompt"), ({"prompt": [-1, 2]}, "prompt"), ({"prompt": []}, "prompt"),
     ({"prompt": ""}, "prompt"), ({"prompt": [[1, 2], []]}, "prompt"),
     # unsupported
-    (C | {"logprobs": 1}, "logprobs"), (C | {"prompt_logprobs": 1}, "prompt_logprobs"), (C | {"echo": True}, "echo"),
-    (C | {"suffix": "x"}, "suffix"), (C | {"best_of": 3}, "best_of"), (C | {"logit_bias": {"1": 2.0}}, "logit_bias"),
+    (C | {"logprobs": 21}, "logprobs"), (C | {"logprobs": -1}, "logprobs"), (C | {"prompt_logprobs": 30}, "prompt_logprobs"),
+    (C | {"echo": "yes"}, "echo"), (C | {"max_tokens": 0, "echo": False}, "max_tokens"), (C | {"suffix": "x"}, "suffix"), (C | {"best_of": 3}, "best_of"), (C | {"logit_bias": {"1": 2.0}}, "logit_bias"),
     (C | {"presence_penalty": 0.5}, "presence_penalty"), (C | {"frequency_penalty": -1.0}, "frequency_penalty"),
     (C | {"repetition_penalty": 1.2}, "repetition_penalty"), (C | {"stream_options": {"include_usage": True}},
                                                               "stream_options"),
@@ -81,7 +81,8 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0]"),
     (CHAT | {"max_completion_tokens": 0}, "max_completion_tokens"), (CHAT | {"max_tokens": -1}, "max_tokens"),
-    (CHAT | {"logprobs": True}, "logprobs"), (CHAT | {"top_logprobs": 2}, "top_logprobs"),
+    (CHAT | {"logprobs": 1}, "logprobs"), (CHAT | {"top_logprobs": 2}, "top_logprobs"),
+    (CHAT | {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (CHAT | {"response_format": {"type": "json_object"}}, "response_format"),
     (CHAT | {"temperature": -1}, "temperature"), (CHAT | {"stop": [1]}, "stop"),
@@ -129,10 +130,10 @@ def test_context_length_errors_name_both_lengths(server):
 
 
 def test_chat_needs_a_tokenizer_with_a_chat_template(server, monkeypatch):
-    monkeypatch.setattr(server.engine.tokenizer, "chat_template", None)
+    monkeypatch.setattr(server.state.tokenizer, "chat_template", None)
     err = assert_error(post(server, "/v1/chat/completions", CHAT), 400, "messages")
     assert "chat template" in err["message"]
-    monkeypatch.setattr(server.engine, "tokenizer", None)
+    monkeypatch.setattr(server.state, "tokenizer", None)
     err = assert_error(post(server, "/v1/chat/completions", CHAT), 400, "messages")
     assert "tokenizer" in err["message"]
     err = assert_error(post(server, "/v1/completions", C), 400, "prompt")
@@ -163,7 +164,7 @@ def test_server_is_unharmed_by_all_of_the_above(server):
     stream = post(server, "/v1/chat/completions", CHAT | {"stream": True})
     assert stream.status_code == 200 and stream.text.endswith("data: [DONE]\n\n")
     server.wait_pool_full()
-    assert not server.engine.sequences and not server.engine.scheduler.waiting
+    assert server.load()["waiting"] == 0
     m = server.metrics()
     assert m['moeserve_requests_rejected_total{model_name="tiny-moe",status="400"}'] >= len(BAD_COMPLETIONS)
     assert m['moeserve_requests_total{model_name="tiny-moe",outcome="error"}'] == 0
