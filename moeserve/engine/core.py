@@ -161,7 +161,7 @@ class EngineCore:
         e = self.engine
         s = e.scheduler
         return EngineLoad(len(s.running), len(s.waiting), e.pool.num_used, e.pool.capacity, s.num_preemptions,
-                          len(e.sequences), self.received)
+                          len(e.sequences), self.received, e.pool.queries, e.pool.hits)
 
     def _flush(self) -> None:
         """Send this iteration's deltas and replies in one message (and the load when it changed)."""

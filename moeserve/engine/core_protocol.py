@@ -59,6 +59,8 @@ class EngineLoad:
     preemptions: int = 0
     sequences: int = 0  # requests the engine holds (running, waiting or finishing)
     received: int = 0  # requests received from the front end since start
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache since start
+    prefix_cache_hits: int = 0  # of them, found
 
 
 @dataclass

@@ -26,11 +26,11 @@ from moeserve.engine.sampling_params import SamplingParams
 from moeserve.engine.tokenizer import (
     TokenTexts, apply_chat_template, generation_defaults, load_chat_template, load_tokenizer,
 )
-from moeserve.server.outputs import ChoiceOutputs, ChoiceText
+from moeserve.server.outputs import ChoiceOutputs
 from moeserve.server.engine_client import EngineClient, RequestStream, SubRequest
 from moeserve.server.protocol import (
     APIError, ChatCompletionRequest, ChatFormat, CompletionFormat, CompletionRequest, ModelCard, ModelList,
-    SamplingFields, UsageInfo, new_id, now, validation_error,
+    PromptTokensDetails, SamplingFields, UsageInfo, new_id, now, validation_error,
 )
 from moeserve.server.tokenize import add_tokenizer_routes
 
@@ -374,10 +374,13 @@ def _decode(state: ServerState, ids: list[int]) -> str:
 
 # --- from engine tokens to text and events --------------------------------------------------------
 
-def _usage(job: Job, choices: dict[int, ChoiceText]) -> UsageInfo:
+def _usage(job: Job, output: ChoiceOutputs) -> UsageInfo:
     prompt = sum(job.prompt_lens)
-    completion = sum(len(c.token_ids) for c in choices.values())
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    completion = sum(len(c.token_ids) for c in output.choices.values())
+    # a prompt's n choices share it: count its cached tokens once (its first choice's)
+    cached = sum(n for i, n in output.cached_tokens.items() if i % job.n == 0)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def _event(payload: dict) -> str:
@@ -397,10 +400,10 @@ async def _sse_events(state: ServerState, job: Job, stream: RequestStream, fmt):
                 yield _event(error.body())
                 break
             if items:
-                yield _event(fmt.chunk(items, _usage(job, output.choices) if job.continuous_usage else None))
+                yield _event(fmt.chunk(items, _usage(job, output) if job.continuous_usage else None))
         else:
             if job.include_usage:
-                yield _event(fmt.usage_chunk(_usage(job, output.choices)))
+                yield _event(fmt.usage_chunk(_usage(job, output)))
         yield "data: [DONE]\n\n"
     finally:
         if not stream.finished:
@@ -416,4 +419,4 @@ async def _collect(state: ServerState, job: Job, stream: RequestStream):
         if not stream.finished:
             state.client.abort(stream.request_ids)
     items, prompt_logprobs = output.final()
-    return items, _usage(job, output.choices), prompt_logprobs
+    return items, _usage(job, output), prompt_logprobs

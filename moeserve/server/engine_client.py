@@ -186,7 +186,8 @@ class EngineClient:
             raise EngineStartError("the engine process did not connect to the front end")
         self.ready = msg
         self._load = ld = msg.load
-        self.metrics.set_load(ld.running, ld.waiting, ld.pages_used, ld.pages_total, ld.preemptions)
+        self.metrics.set_load(ld.running, ld.waiting, ld.pages_used, ld.pages_total, ld.preemptions,
+                              ld.prefix_cache_queries, ld.prefix_cache_hits)
         return msg
 
     def attach(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -365,7 +366,8 @@ class EngineClient:
                                                 d.prompt_logprobs, d.num_cached_tokens))
         if out.load is not None:
             self._load = ld = out.load
-            m.set_load(ld.running, self.num_waiting, ld.pages_used, ld.pages_total, ld.preemptions)
+            m.set_load(ld.running, self.num_waiting, ld.pages_used, ld.pages_total, ld.preemptions,
+                       ld.prefix_cache_queries, ld.prefix_cache_hits)
         for call_id, value in out.replies.items():
             fut = self._calls.get(call_id)
             if fut is not None and not fut.done():

@@ -43,12 +43,17 @@ class ServerMetrics:
         self.pages_total = Gauge("moeserve_kv_pages_total", "KV cache pages requests can use", labels, registry=r)
         self.preemptions = Gauge("moeserve_num_preemptions", "Preemptions since start (a running request's pages "
                                  "taken back and its tokens recomputed later)", labels, registry=r)
+        self.cache_queries = Counter("moeserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                     labels, registry=r)
+        self.cache_hits = Counter("moeserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
+                                  registry=r)
+        self._cache_seen = (0, 0)
         self.model_name = model_name
         for outcome in OUTCOMES:
             self.requests.labels(model_name, outcome)
         self._m = {name: getattr(self, name).labels(model_name) for name in (
             "prompt_tokens", "generation_tokens", "ttft", "itl", "e2e", "running", "waiting", "pages_used",
-            "pages_total", "preemptions")}
+            "pages_total", "preemptions", "cache_queries", "cache_hits")}
         self.vllm = VllmMetrics(r, model_name)
         for name, twin in self.vllm.twins().items():
             self._m[name] = _Both(self._m[name], *twin)
@@ -64,8 +69,15 @@ class ServerMetrics:
     def request_rejected(self, status: int) -> None:
         self.rejected.labels(self.model_name, str(status)).inc()
 
-    def set_load(self, running: int, waiting: int, pages_used: int, pages_total: int, preemptions: int) -> None:
+    def set_load(self, running: int, waiting: int, pages_used: int, pages_total: int, preemptions: int,
+                 cache_queries: int = 0, cache_hits: int = 0) -> None:
+        """The engine's load; ``cache_*`` are the engine's running totals (the counters move by the change)."""
         m = self._m
+        q0, h0 = self._cache_seen
+        if cache_queries >= q0 and cache_hits >= h0:
+            m["cache_queries"].inc(cache_queries - q0)
+            m["cache_hits"].inc(cache_hits - h0)
+            self._cache_seen = (cache_queries, cache_hits)
         m["running"].set(running)
         m["waiting"].set(waiting)
         m["pages_used"].set(pages_used)
@@ -122,6 +134,10 @@ class VllmMetrics:
                                labels + ["finished_reason"], registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels,
                               registry=r).labels(model_name)
+        self.cache_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                                     "queried tokens.", labels, registry=r)
+        self.cache_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                                  "tokens.", labels, registry=r)
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
 
@@ -131,7 +147,8 @@ class VllmMetrics:
         return {"ttft": (self.ttft.labels(n),), "itl": (self.itl.labels(n), self.tpot.labels(n)),
                 "e2e": (self.e2e.labels(n),), "running": (self.running.labels(n),),
                 "waiting": (self.waiting.labels(n),), "prompt_tokens": (self.prompt_tokens.labels(n),),
-                "generation_tokens": (self.generation_tokens.labels(n),)}
+                "generation_tokens": (self.generation_tokens.labels(n),),
+                "cache_queries": (self.cache_queries.labels(n),), "cache_hits": (self.cache_hits.labels(n),)}
 
 
 def parse_metrics(text: str) -> dict[str, float]:

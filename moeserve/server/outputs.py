@@ -82,6 +82,7 @@ class ChoiceOutputs:
                                             job.stream) for s in job.subrequests}
         self.echoed: set[int] = set()
         self.prompt_logprobs: dict[int, list] = {}
+        self.cached_tokens: dict[int, int] = {}  # prompt tokens each choice found in the prefix cache
         self.offsets = dict.fromkeys(self.choices, 0)  # text sent so far per choice (completions' text_offset)
 
     def take(self, batch) -> list[tuple]:
@@ -98,6 +99,8 @@ class ChoiceOutputs:
             entry[2].extend(d.logprobs or [])
             if d.prompt_logprobs is not None:
                 self.prompt_logprobs[d.index] = d.prompt_logprobs
+            if d.num_cached_tokens is not None:
+                self.cached_tokens[d.index] = d.num_cached_tokens
         items = []
         for i, (toks, finish, lps) in merged.items():
             c = self.choices[i]

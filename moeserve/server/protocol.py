@@ -255,10 +255,15 @@ class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+
+
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(_Response):

@@ -308,3 +308,26 @@ def test_failing_add_request_is_a_500_for_that_request_only(server):
     good = httpx.post(server.url + "/v1/completions", json={"prompt": [14, 1], "max_tokens": 2}, timeout=60)
     assert good.status_code == 200
     server.wait_pool_full()
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens_and_the_prefix_cache_metrics(server):
+    """Prefix caching (on by default): the second request of the same 21-token prompt finds its 5 full pages
+    of 4 tokens (20 tokens) in the cache; usage and both metric names say so."""
+    prompt = list(range(40, 61))
+    before = server.metrics()
+    body = {"prompt": prompt, "max_tokens": 2, "ignore_eos": True, "temperature": 0}
+    first = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    second = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 20}
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m.get("moeserve_prefix_cache_hits_total", 0) - before.get("moeserve_prefix_cache_hits_total", 0) >= 20:
+            break
+        time.sleep(0.05)
+    for name in ("moeserve_prefix_cache_queries_total", "vllm:prefix_cache_queries_total"):
+        assert m[name] - before.get(name, 0) == 2 * len(prompt), name
+    for name in ("moeserve_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"):
+        assert m[name] - before.get(name, 0) == 20, name
