@@ -139,8 +139,8 @@ def test_completion_stream_framing_and_usage(server):
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     usage_chunk, token_chunks = chunks[-1], chunks[:-1]
-    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 5,
-                                                                     "total_tokens": 8}
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == {
+        "prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}}
     assert all(c["usage"] is None and c["object"] == "text_completion" for c in token_chunks)
     for c in chunks:
         CompletionChunk.model_validate(c)  # the documented chunk shape
