@@ -45,7 +45,11 @@ class LLMEngine:
         self.config = config
         self.plan = resolve_plan(config)
         self.source, self.hardware = self.plan.source, self.plan.hardware
-        self.runner = ModelRunner(self.plan)
+        if config.world_size > 1:  # one process per GPU; rank 0 here
+            from moeserve.engine.workers import ParallelExecutor
+            self.runner = ParallelExecutor(self.plan)
+        else:
+            self.runner = ModelRunner(self.plan)
         self.arch = self.plan.arch
         self.max_model_len = self.plan.max_model_len
         self.pool = KVCacheManager(self.runner.kv.num_pages, config.page_size, config.enable_prefix_caching)
@@ -177,6 +181,12 @@ class LLMEngine:
                                    seq.num_preemptions),
             num_cached_tokens=seq.num_cached_tokens,
         )
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a multi-GPU engine (nothing to do on one GPU)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # --- introspection -------------------------------------------------------------------------
     def memory_report(self) -> dict:

@@ -81,9 +81,12 @@ class Rendezvous:
     local_rank: int
     master_addr: str
     master_port: int
+    from_env: bool = False  # started by torchrun: join through its variables (and its agent's store)
 
     @property
     def init_method(self) -> str:
+        if self.from_env:
+            return "env://"
         host = f"[{self.master_addr}]" if ":" in self.master_addr else self.master_addr
         return f"tcp://{host}:{self.master_port}"
 
@@ -123,7 +126,7 @@ def rendezvous(world_size: int, master_addr: str | None = None, master_port: int
     port = master_port or (int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None) or free_port()
     if tr is None:
         return Rendezvous(0, world_size, 0, addr, port)
-    return Rendezvous(tr["rank"], world_size, tr["local_rank"], addr, port)
+    return Rendezvous(tr["rank"], world_size, tr["local_rank"], addr, port, from_env=True)
 
 
 def init_distributed(rdv: Rendezvous, device: torch.device, timeout_s: float = 600.0) -> None:
