@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.requests import RequestError
 from moeserve.engine.sampling_params import SamplingParams
+from moeserve.engine.workers import WorkerError
 from moeserve.server.metrics import ServerMetrics
 from moeserve.server.protocol import APIError
 
@@ -129,6 +130,7 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        self.engine.shutdown()  # the other ranks of a multi-GPU engine (nothing on one GPU)
 
     # --- called from the event loop ------------------------------------------------------------
     def submit(self, subrequests: list[SubRequest], loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
@@ -222,6 +224,8 @@ class AsyncEngine:
         engine = self.engine
         try:
             touched = engine.step()
+        except WorkerError:
+            raise  # a rank of a multi-GPU engine is gone: the engine loop stops and /health turns unhealthy
         except Exception as e:
             log.exception("an engine step failed; failing the requests in it and carrying on")
             victims = [s.request_id for s in list(engine.scheduler.running)]
