@@ -102,3 +102,24 @@ def test_shutdown_stops_the_other_ranks(single_process):
     llm.shutdown()
     assert all(not p.is_alive() and p.exitcode == 0 for p in procs)
     assert not torch.distributed.is_initialized()
+
+
+def test_fp8_checkpoint_splits_on_block_boundaries(tmp_path):
+    """A block-FP8 checkpoint whose per-rank parts are whole 128x128 blocks: each rank reads its weights and
+    their scales, and 2 ranks give the tokens of one."""
+    from moeserve.tools.fp8_export import write_fp8_checkpoint
+    make_checkpoint("qwen3_moe", tmp_path / "hp", num_hidden_layers=2, hidden_size=128, num_attention_heads=8,
+                    num_key_value_heads=8, head_dim=32, moe_intermediate_size=256, intermediate_size=256)
+    write_fp8_checkpoint(tmp_path / "hp", tmp_path / "fp8")
+    prompts, params = requests(256)
+    prompts, params = prompts[:3], params[:3]
+    kw = dict(ENGINE, num_kv_pages=100, max_num_batched_tokens=64)
+    one = LLM(model=str(tmp_path / "fp8"), **kw)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    llm = LLM(model=str(tmp_path / "fp8"), tensor_parallel_size=2, **kw)
+    try:
+        block = llm.engine.runner.model.moe_blocks()[0]
+        assert block.w13.dtype == torch.float8_e4m3fn and tuple(block.w13_scale_inv.shape) == (8, 2, 1)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    finally:
+        llm.shutdown()
