@@ -92,6 +92,8 @@ def serve_steps(runner: ModelRunner, channel) -> None:
             return
         if kind == "step":
             runner.launch(payload)
+        elif kind == "logits":
+            runner.forward_logits(payload)
         elif kind == "capture":
             runner.capture_graphs(payload, progress=False)
         elif kind == "stop":
@@ -273,6 +275,13 @@ class ParallelExecutor:
         if self.failure is not None:  # the step's result cannot be trusted if a rank died under it
             raise WorkerError(f"the engine stopped: {self.failure}")
         return out
+
+    def forward_logits(self, step) -> torch.Tensor:
+        """The logits of a step (every rank runs it; nothing is sampled): for comparing engines in tests."""
+        def run():
+            self.channel.send(("logits", step))
+            return self.runner.forward_logits(step)
+        return self._guard(run, f"computing the logits of step {step.step_id}")
 
     def capture_graphs(self, sizes: list[int], progress: bool = True) -> None:
         if self.device.type != "cuda" or not sizes:

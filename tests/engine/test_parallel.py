@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hf_models import make_checkpoint
+from lockstep import lockstep
 from moeserve import LLM, SamplingParams
 from moeserve.engine.workers import WorkerError
 
@@ -71,6 +72,22 @@ def test_two_ranks_give_the_tokens_of_one(single_process, kind, expert_parallel,
         assert llm.engine.pool.num_free == llm.engine.pool.capacity
     finally:
         llm.shutdown()
+
+
+def test_two_ranks_give_the_logits_of_one(single_process):
+    """Stepped together with a one-process engine on the same schedule and tokens, every sampled row's logits
+    agree (float32: only the order of the sums differs)."""
+    from moeserve.config import make_config
+    from moeserve.engine.engine import LLMEngine
+    path, _ = single_process["glm4_moe"]
+    one = LLMEngine(make_config(model=str(path), **ENGINE))
+    two = LLMEngine(make_config(model=str(path), tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE))
+    try:
+        prompts, _ = requests(256)
+        r = lockstep(two, one, [p["prompt_token_ids"] for p in prompts], MAX_TOKENS)
+        assert r.worst > 0.99999 and r.agreement == 1.0
+    finally:
+        two.shutdown()
 
 
 def test_a_dead_rank_stops_the_engine_with_its_name(single_process):
