@@ -127,6 +127,22 @@ def check_parallel(arch: ArchConfig, tp: int, expert_parallel: bool, quantizatio
                                  + (" or enable_expert_parallel" if what == "moe_intermediate_size" else ""))
 
 
+def collectives(tp: int, expert_parallel: bool, dispatch: str, device_type: str) -> dict:
+    """What a step exchanges between ranks with this layout (for ``moeserve env`` and the run's report)."""
+    if tp == 1:
+        return {"ranks": 1, "collectives": []}
+    moe = ("routed experts: whole experts per rank; " + (
+        "all-gather of hidden states, weights and ids, then reduce-scatter and all-gather of the rows"
+        if dispatch == "allgather_reducescatter" else "one all-reduce of their partial sums with the shared expert")
+        if expert_parallel else "routed experts: each sliced by intermediate rows; one all-reduce with the shared expert")
+    return {
+        "ranks": tp, "backend": "nccl" if device_type == "cuda" else "gloo",
+        "collectives": ["all-reduce after o_proj and after each dense MLP (row-parallel)",
+                        "all-reduce of the embedding (vocabulary split)", moe,
+                        "all-gather of the logits (LM head split by vocabulary rows)"],
+    }
+
+
 # --- the MoE layer's dispatch and combine ---------------------------------------------------------------
 
 def local_experts(num_experts: int, p: Parallel) -> range:
