@@ -208,6 +208,8 @@ class LLMEngine:
             "init_seconds": r.init_seconds, "load_seconds": r.load_seconds,
             "graph_capture_seconds": r.graph_capture_seconds, "ready_seconds": self.ready_seconds,
             "enable_prefix_caching": self.pool.enable_caching,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "enable_expert_parallel": self.config.enable_expert_parallel,
         }
 
     def prefix_cache_stats(self) -> dict:
