@@ -109,7 +109,7 @@ class ModelRunner:
         model = MoECausalLM(self.arch, self.ops, self.dtype, self.device)
         kept = []
         if self.quantization == "fp8":
-            from moeserve.models.layers import keep_in_high_precision
+            from moeserve.models.base import keep_in_high_precision
             from moeserve.quant.config import high_precision_rule
             kept = keep_in_high_precision(model, high_precision_rule(plan.source.config), self.dtype, self.device)
             if kept:

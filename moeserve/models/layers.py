@@ -15,132 +15,17 @@ experts hold ``float8_e4m3fn`` weights with float32 128x128 block scales (``weig
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from moeserve.models.arch import ArchConfig
+from moeserve.models.base import Entry, Linear, Ops, empty_param, is_fp8_ops, tp_shard
 from moeserve.models.parallel import MoEParallel, Shard, local_experts, local_heads, padded_vocab
-from moeserve.ops.interfaces import (ActivationBackend, AttentionBackend, LinearBackend, MoEBackend, NormBackend,
-                                     RopeBackend, RoutingBackend)
 from moeserve.ops.moe.combine import SharedExpertOutput
 from moeserve.ops.moe.routing import select_experts
-from moeserve.ops.parallel import Parallel
 from moeserve.quant.fp8 import FP8_DTYPE, block_scale_shape
 from moeserve.quant.moe_ref import experts_fp8_reference
-
-
-@dataclass
-class Ops:
-    """The backend instances one engine uses; ``attention`` is set once the KV cache exists."""
-
-    linear: LinearBackend
-    norm: NormBackend
-    activation: ActivationBackend
-    moe: MoEBackend
-    rope_cls: type[RopeBackend]
-    routing: RoutingBackend | None = None  # installs each MoE block's router (moeserve.ops.moe.routing)
-    attention: AttentionBackend | None = None
-    names: dict[str, str] = field(default_factory=dict)
-    quantization: str = "none"  # weight format of the quantisable layers: none | fp8
-    # A side CUDA stream the shared expert runs on, overlapped with routing and the routed experts, for steps
-    # of at most ``side_stream_max_tokens`` tokens (vLLM's shared-experts stream); None: one stream.
-    side_stream: torch.cuda.Stream | None = None
-    side_stream_max_tokens: int = 0
-    parallel: Parallel = field(default_factory=Parallel)  # this rank's place among the GPUs (one rank: no split)
-
-
-@dataclass
-class Entry:
-    """One checkpoint tensor: where it goes (``param[index]``) and which other names it stands for;
-    ``scale`` is the block-scale parameter when ``param`` is FP8; ``shard`` the part of the tensor this rank
-    reads (None: all of it). ``param`` None: the tensor belongs to another rank (an expert it holds)."""
-
-    param: torch.Tensor | None
-    index: tuple = ()
-    covers: tuple[str, ...] = ()
-    scale: torch.Tensor | None = None
-    shard: Shard | None = None
-
-
-def _tp_shard(ops: Ops, dim: int) -> Shard | None:
-    """An even split of a checkpoint dimension over the tensor-parallel ranks (None on one rank)."""
-    p = ops.parallel
-    return Shard(dim, p.tp_rank, p.tp_size) if p.is_parallel else None
-
-
-def _param(shape, dtype, device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
-def _vocab_param(rows: int, start: int, arch: ArchConfig, dtype, device) -> nn.Parameter:
-    """This rank's rows of the embedding or LM head; rows past the vocabulary (padding) are zero."""
-    p = _param((rows, arch.hidden_size), dtype, device)
-    real = max(0, min(arch.vocab_size - start, rows))
-    p.data[real:].zero_()
-    return p
-
-
-def _fp8(ops: Ops) -> bool:
-    return ops.quantization == "fp8"
-
-
-class Linear(nn.Module):
-    """``y = x W^T + b``; with ``quantize`` and FP8 ops, ``W`` is e4m3 with 128x128 block scales and the FP8
-    path of the linear backend runs it (the bias stays in the model dtype)."""
-
-    def __init__(self, ops: Ops, in_features: int, out_features: int, bias: bool, dtype, device,
-                 quantize: bool = False, reduce: bool = False):
-        super().__init__()
-        self.ops = ops
-        # row-parallel: each rank multiplies its slice of the input features; the partial sums are all-reduced
-        # (the bias is added once, by the first rank)
-        self.reduce = ops.parallel if reduce and ops.parallel.is_parallel else None
-        fp8 = quantize and _fp8(ops)
-        self.weight = _param((out_features, in_features), FP8_DTYPE if fp8 else dtype, device)
-        self.weight_scale_inv = _param(block_scale_shape(out_features, in_features), torch.float32,
-                                       device) if fp8 else None
-        self.bias = _param((out_features,), dtype, device) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if self.reduce is None or self.reduce.is_first else None
-        if self.weight_scale_inv is not None:
-            y = self.ops.linear.linear_fp8(x, self.weight, self.weight_scale_inv, bias)
-        else:
-            y = self.ops.linear.linear(x, self.weight, bias)
-        return y if self.reduce is None else self.reduce.all_reduce(y)
-
-
-def keep_in_high_precision(model: nn.Module, keep, dtype, device) -> list[str]:
-    """Turn the FP8 linears of ``model`` whose checkpoint module names ``keep`` selects into ``dtype``
-    linears (before weights are loaded or drawn); returns those names. A merged linear (q/k/v, gate/up) is
-    kept whole, so its parts must be selected all or none; routed experts cannot be kept."""
-    from moeserve.quant.config import QuantizationError
-    parts: dict[int, list[str]] = {}
-    for name, entry in model.checkpoint_entries().items():
-        if entry.scale is not None and name.endswith(".weight"):
-            parts.setdefault(id(entry.param), []).append(name.removesuffix(".weight"))
-    linears = {id(m.weight): m for m in model.modules() if isinstance(m, Linear)}
-    kept = []
-    for pid, names in parts.items():
-        chosen = [n for n in names if keep(n)]
-        if not chosen:
-            continue
-        lin = linears.get(pid)
-        if lin is None:
-            raise QuantizationError(f"config.json quantization_config keeps {chosen[0]} in high precision; moeserve "
-                                    "runs routed experts in FP8 only (their layers are stored and run as one tensor)")
-        if len(chosen) != len(names):
-            raise QuantizationError(
-                f"config.json quantization_config keeps {', '.join(chosen)} in high precision but not "
-                f"{', '.join(n for n in names if n not in chosen)}; moeserve runs them as one merged linear, so "
-                "a checkpoint must keep all of them or none")
-        lin.weight = _param(tuple(lin.weight.shape), dtype, device)
-        lin.weight_scale_inv = None
-        kept += names
-    return kept
 
 
 class Attention(nn.Module):
@@ -158,8 +43,8 @@ class Attention(nn.Module):
                              reduce=True)
         self.qk_norm = arch.qk_norm
         if arch.qk_norm:
-            self.q_norm = _param((arch.head_dim,), dtype, device)
-            self.k_norm = _param((arch.head_dim,), dtype, device)
+            self.q_norm = empty_param((arch.head_dim,), dtype, device)
+            self.k_norm = empty_param((arch.head_dim,), dtype, device)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -176,13 +61,13 @@ class Attention(nn.Module):
     def entries(self, prefix: str) -> dict[str, Entry]:
         w, qs, ks = self.qkv_proj.weight, self.q_size, self.kv_size
         sc = self.qkv_proj.weight_scale_inv
-        q_sh, kv_sh = _tp_shard(self.ops, 0), self.kv_shard
+        q_sh, kv_sh = tp_shard(self.ops, 0), self.kv_shard
         e = {
             f"{prefix}.q_proj.weight": Entry(w, (slice(0, qs),), scale=sc, shard=q_sh),
             f"{prefix}.k_proj.weight": Entry(w, (slice(qs, qs + ks),), scale=sc, shard=kv_sh),
             f"{prefix}.v_proj.weight": Entry(w, (slice(qs + ks, qs + 2 * ks),), scale=sc, shard=kv_sh),
             f"{prefix}.o_proj.weight": Entry(self.o_proj.weight, scale=self.o_proj.weight_scale_inv,
-                                             shard=_tp_shard(self.ops, 1)),
+                                             shard=tp_shard(self.ops, 1)),
         }
         if self.qkv_proj.bias is not None:
             b = self.qkv_proj.bias
@@ -214,12 +99,12 @@ class DenseMLP(nn.Module):
 
     def entries(self, prefix: str) -> dict[str, Entry]:
         w, i, sc = self.gate_up_proj.weight, self.intermediate, self.gate_up_proj.weight_scale_inv
-        rows = _tp_shard(self.ops, 0)
+        rows = tp_shard(self.ops, 0)
         return {
             f"{prefix}.gate_proj.weight": Entry(w, (slice(0, i),), scale=sc, shard=rows),
             f"{prefix}.up_proj.weight": Entry(w, (slice(i, 2 * i),), scale=sc, shard=rows),
             f"{prefix}.down_proj.weight": Entry(self.down_proj.weight, scale=self.down_proj.weight_scale_inv,
-                                                shard=_tp_shard(self.ops, 1)),
+                                                shard=tp_shard(self.ops, 1)),
         }
 
 
@@ -259,14 +144,14 @@ class SparseMoE(nn.Module):
             rows = -(-(e + 1) // 8) * 8  # cuBLAS takes slow kernels for outputs whose rows are not 16-byte aligned
         self.gate = Linear(ops, h, rows, False, torch.float32 if arch.router_fp32 else dtype, device)
         self.gate.weight.data[e:].zero_()
-        fp8 = _fp8(ops)
+        fp8 = is_fp8_ops(ops)
         el = len(self.local_experts)
-        self.w13 = _param((el, 2 * i, h), FP8_DTYPE if fp8 else dtype, device)
-        self.w2 = _param((el, h, i), FP8_DTYPE if fp8 else dtype, device)
-        self.w13_scale_inv = _param((el, *block_scale_shape(2 * i, h)), torch.float32, device) if fp8 else None
-        self.w2_scale_inv = _param((el, *block_scale_shape(h, i)), torch.float32, device) if fp8 else None
+        self.w13 = empty_param((el, 2 * i, h), FP8_DTYPE if fp8 else dtype, device)
+        self.w2 = empty_param((el, h, i), FP8_DTYPE if fp8 else dtype, device)
+        self.w13_scale_inv = empty_param((el, *block_scale_shape(2 * i, h)), torch.float32, device) if fp8 else None
+        self.w2_scale_inv = empty_param((el, *block_scale_shape(h, i)), torch.float32, device) if fp8 else None
         self.w13_order = "gate_up"
-        self.correction_bias = _param((e,), torch.float32, device) if arch.routing_correction_bias else None
+        self.correction_bias = empty_param((e,), torch.float32, device) if arch.routing_correction_bias else None
         self.router = None
         self.routing_impl = "torch"
         self.shared_expert = None
@@ -362,8 +247,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, ops: Ops, arch: ArchConfig, layer_idx: int, rope, dtype, device):
         super().__init__()
         self.ops, self.eps = ops, arch.rms_norm_eps
-        self.input_layernorm = _param((arch.hidden_size,), dtype, device)
-        self.post_attention_layernorm = _param((arch.hidden_size,), dtype, device)
+        self.input_layernorm = empty_param((arch.hidden_size,), dtype, device)
+        self.post_attention_layernorm = empty_param((arch.hidden_size,), dtype, device)
         self.self_attn = Attention(ops, arch, layer_idx, rope, dtype, device)
         if arch.layer_is_moe(layer_idx):
             self.mlp = SparseMoE(ops, arch, dtype, device)
@@ -389,6 +274,14 @@ class DecoderLayer(nn.Module):
         return e
 
 
+def _vocab_param(rows: int, start: int, arch: ArchConfig, dtype, device) -> nn.Parameter:
+    """This rank's rows of the embedding or LM head; rows past the vocabulary (padding) are zero."""
+    p = empty_param((rows, arch.hidden_size), dtype, device)
+    real = max(0, min(arch.vocab_size - start, rows))
+    p.data[real:].zero_()
+    return p
+
+
 class MoECausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head, over a flat batch of tokens.
 
@@ -408,7 +301,7 @@ class MoECausalLM(nn.Module):
         self.rope = ops.rope_cls(arch.head_dim, arch.rotary_dim, cache)
         self.layers = nn.ModuleList(DecoderLayer(ops, arch, i, self.rope, dtype, device)
                                     for i in range(arch.num_layers))
-        self.norm = _param((arch.hidden_size,), dtype, device)
+        self.norm = empty_param((arch.hidden_size,), dtype, device)
         self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _vocab_param(
             self.vocab_rows, self.vocab_start, arch, dtype, device)
 
