@@ -109,6 +109,8 @@ def _limit_cpu_threads(device: torch.device, local_world: int) -> None:
 
 def _spawned_rank(config: EngineConfig, rdv: dist_ops.Rendezvous, steps, reports) -> None:
     """Entry point of a rank the engine spawned on this host."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches every process of a terminal: rank 0 stops us
     try:
         plan = resolve_plan(config, rank=rdv.rank, local_rank=rdv.local_rank)
         _limit_cpu_threads(plan.device, rdv.world_size)
