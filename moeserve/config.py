@@ -225,6 +225,9 @@ class EngineConfig(_Strict):
             raise ValueError(f"device: {self.device!r} names one GPU but tensor_parallel_size is "
                              f"{self.tensor_parallel_size}; use device: cuda (rank r runs on cuda:LOCAL_RANK; pick "
                              "the GPUs with CUDA_VISIBLE_DEVICES)")
+        if self.torch_compile and self.tensor_parallel_size > 1:
+            raise ValueError("torch_compile: not supported with tensor_parallel_size > 1 yet (the compiled MoE blocks "
+                             "would hold collectives); CUDA graphs still capture every decode step")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError("enable_expert_parallel: needs tensor_parallel_size > 1 (the experts are split across "
                              "the tensor-parallel ranks)")

@@ -202,6 +202,8 @@ def test_config_errors():
         make_config(device="cuda:1", tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         make_config(tensor_parallel_size=0)
+    with pytest.raises(ConfigError, match="torch_compile: not supported with tensor_parallel_size > 1"):
+        make_config(tensor_parallel_size=2, torch_compile=True)
 
 
 def test_misshaped_part_is_named(tmp_path):
