@@ -24,6 +24,14 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", "-c", help="YAML config file")
     for flag, field, typ in CONFIG_FLAGS:
         g.add_argument(flag, dest=f"cfg_{field}", type=typ, default=None, metavar=field.upper())
+    g.add_argument("-tp", "--tensor-parallel-size", dest="cfg_tensor_parallel_size", type=int, default=None,
+                   metavar="N", help="GPUs (one process each) the model is split across")
+    g.add_argument("--enable-expert-parallel", action="store_true", default=None, dest="cfg_enable_expert_parallel",
+                   help="place whole routed experts on each rank instead of sharding every expert")
+    g.add_argument("--master-addr", dest="cfg_distributed.master_addr", default=None, metavar="HOST",
+                   help="address of rank 0 for a run across hosts (default: MASTER_ADDR, else this host)")
+    g.add_argument("--master-port", dest="cfg_distributed.master_port", type=int, default=None, metavar="PORT",
+                   help="port of rank 0's rendezvous (default: MASTER_PORT, else a free port)")
     g.add_argument("--enforce-eager", action="store_true", default=None, dest="cfg_enforce_eager",
                    help="no CUDA graphs")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,

@@ -31,7 +31,10 @@ def _cmd_generate(args) -> int:
     if not prompts:
         print("generate: give --prompt TEXT or --prompt-token-ids 1,2,3", file=sys.stderr)
         return 2
-    outs = llm.generate(prompts, params)
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        llm.shutdown()
     rows = [{"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids, "token_ids": o.outputs[0].token_ids,
              "text": o.outputs[0].text, "finish_reason": o.outputs[0].finish_reason} for o in outs]
     if args.json:
@@ -96,12 +99,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _torchrun_rank(args) -> int | None:
+    """Under torchrun (``RANK`` set) every process runs the same command line: rank 0 runs the command, the
+    other ranks build their part of the engine and run rank 0's steps (None: run the command here)."""
+    from moeserve.ops.parallel import torchrun_env
+    tr = torchrun_env()
+    if tr is None or tr["rank"] == 0 or not hasattr(args, "set"):
+        return None
+    from moeserve.engine.workers import run_worker
+    return run_worker(config_from_args(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        code = _torchrun_rank(args)
+        if code is not None:
+            return code
         return args.func(args) or 0
     except ConfigError as e:
         print(e, file=sys.stderr)

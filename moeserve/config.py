@@ -127,6 +127,18 @@ class ServerConfig(_Strict):
     shutdown_timeout: float = Field(30.0, ge=0)
 
 
+class DistributedConfig(_Strict):
+    """How the ranks of a multi-GPU engine find each other (torch.distributed's TCP rendezvous).
+
+    Unset fields fall back to the torchrun variables ``MASTER_ADDR`` / ``MASTER_PORT``, then to this host
+    and a free port (one host, workers started by the engine)."""
+
+    master_addr: str | None = None
+    master_port: int | None = Field(None, ge=1, le=65535)
+    # A collective that waits longer than this fails (NCCL/gloo timeout), so a lost host cannot hang the engine
+    timeout_s: float = Field(600.0, gt=0)
+
+
 class EngineConfig(_Strict):
     """Everything that shapes one engine instance and the jobs run on it."""
 
@@ -170,6 +182,19 @@ class EngineConfig(_Strict):
     # model directory's, "vllm" uses none, a directory reads that one's (vLLM's --generation-config)
     generation_config: str = "auto"
 
+    # Parallelism over the GPUs of one host (or several, launched by torchrun), as vLLM's flags: one process
+    # per GPU; attention heads, dense and shared-expert MLPs, embeddings and the LM head are split across the
+    # ranks, and the routed experts too (sharded along their intermediate size), unless enable_expert_parallel
+    # places whole experts on each rank instead.
+    tensor_parallel_size: int = Field(1, ge=1)
+    enable_expert_parallel: bool = False
+    # How an expert-parallel layer reaches the experts of other ranks: "allreduce" (every rank holds every
+    # token: local experts, then one all-reduce; vLLM's behaviour without data parallelism),
+    # "allgather_reducescatter" (each rank brings its share of the tokens: all-gather of hidden states and
+    # routing, local experts, reduce-scatter; vLLM's default all2all backend). auto: allreduce.
+    expert_parallel_dispatch: Literal["auto", "allreduce", "allgather_reducescatter"] = "auto"
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
     backends: BackendConfig = Field(default_factory=BackendConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
@@ -206,7 +231,26 @@ class EngineConfig(_Strict):
         resolve_model_source(self.model, self.weights_dir)
         return self
 
+    @model_validator(mode="after")
+    def _parallel(self):
+        if self.tensor_parallel_size > 1 and self.device.startswith("cuda:"):
+            raise ValueError(f"device: {self.device!r} names one GPU but tensor_parallel_size is "
+                             f"{self.tensor_parallel_size}; use device: cuda (rank r runs on cuda:LOCAL_RANK; pick "
+                             "the GPUs with CUDA_VISIBLE_DEVICES)")
+        if self.torch_compile and self.tensor_parallel_size > 1:
+            raise ValueError("torch_compile: not supported with tensor_parallel_size > 1 yet (the compiled MoE blocks "
+                             "would hold collectives); CUDA graphs still capture every decode step")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("enable_expert_parallel: needs tensor_parallel_size > 1 (the experts are split across "
+                             "the tensor-parallel ranks)")
+        return self
+
     # --- derived values -------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """Processes (GPUs) one engine runs on."""
+        return self.tensor_parallel_size
+
     def graph_batch_sizes(self) -> list[int]:
         """Decode batch sizes to capture as CUDA graphs, bounded by max_num_seqs."""
         if self.enforce_eager:

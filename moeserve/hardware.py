@@ -80,6 +80,50 @@ def _driver_version() -> str | None:
         return None
 
 
+# nvidia-smi topo -m: how two GPUs reach each other, fastest first
+LINK_KINDS = {"NV": "NVLink", "PIX": "PCIe, one switch", "PXB": "PCIe, several switches", "PHB": "PCIe, host bridge",
+              "NODE": "PCIe, host bridges of one NUMA node", "SYS": "PCIe and the CPUs' interconnect"}
+
+
+def parse_topology(text: str) -> dict[tuple[int, int], str]:
+    """``{(i, j): "NV18"}`` for every pair of GPUs of an ``nvidia-smi topo -m`` matrix."""
+    import re
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", ln).rstrip() for ln in text.splitlines()]
+    header = next((ln.split("\t") for ln in lines if ln.strip().startswith("GPU0")), None)
+    if header is None:
+        return {}
+    cols = [c.strip() for c in header]
+    gpus = {k: int(c[3:]) for k, c in enumerate(cols) if re.fullmatch(r"GPU\d+", c)}
+    out = {}
+    for ln in lines:
+        cells = [c.strip() for c in ln.split("\t")]
+        if not cells or not re.fullmatch(r"GPU\d+", cells[0]):
+            continue
+        i = int(cells[0][3:])
+        for k, j in gpus.items():  # the header starts with an empty cell above the rows' names
+            if k < len(cells) and i != j:
+                out[(i, j)] = cells[k]
+    return out
+
+
+def describe_link(code: str) -> str:
+    """``NV18`` -> ``NVLink (18 links)``; PCIe codes in words."""
+    if code.startswith("NV") and code[2:].isdigit():
+        return f"NVLink ({code[2:]} links)"
+    return LINK_KINDS.get(code, code)
+
+
+def gpu_topology() -> dict[str, str] | None:
+    """How each pair of GPUs is connected (``{"GPU0-GPU1": "NVLink (18 links)"}``), from ``nvidia-smi topo -m``;
+    None where there is no nvidia-smi or fewer than two GPUs."""
+    try:
+        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    links = parse_topology(out.stdout) if out.returncode == 0 else {}
+    return {f"GPU{i}-GPU{j}": describe_link(c) for (i, j), c in sorted(links.items()) if i < j} or None
+
+
 @lru_cache(maxsize=1)
 def probe() -> HardwareInfo:
     """Read the machine once per process."""

@@ -16,6 +16,8 @@ from moeserve.config import EngineConfig, ModelSource, resolve_dtype, resolve_mo
 from moeserve.hardware import HardwareInfo, check_gpu_arch, probe, resolve_device
 from moeserve.models import arch_from_hf
 from moeserve.models.arch import ArchConfig
+from moeserve.models.parallel import check_parallel
+from moeserve.ops.parallel import Parallel
 from moeserve.quant.config import engine_quantization
 
 
@@ -31,6 +33,12 @@ class RuntimePlan:
     quantization: str  # none | fp8
     max_model_len: int
     backends: dict[str, backends.BackendSpec]
+    parallel: Parallel  # this rank's place among the GPUs (the default group: every rank of the engine)
+    local_rank: int = 0  # this rank's GPU on its host
+
+    @property
+    def rank(self) -> int:
+        return self.parallel.tp_rank
 
     @property
     def backend_names(self) -> dict[str, str]:
@@ -100,13 +108,22 @@ def triton_source_digest() -> str:
 
 
 def resolve_plan(cfg: EngineConfig, hw: HardwareInfo | None = None, device: torch.device | None = None,
-                 source: ModelSource | None = None, with_backends: bool = True) -> RuntimePlan:
+                 source: ModelSource | None = None, with_backends: bool = True, rank: int = 0,
+                 local_rank: int = 0) -> RuntimePlan:
     """Resolve ``cfg`` for this machine (``hw``/``device`` default to the probe and ``cfg.device``), or for a
     described target machine when both are given (``moeserve precompile --arch``). ``with_backends=False``
-    leaves ``backends`` empty (a report that must stand even when a backend cannot run)."""
+    leaves ``backends`` empty (a report that must stand even when a backend cannot run). With
+    ``tensor_parallel_size > 1``, ``rank`` is this process's rank and its GPU is ``cuda:local_rank``."""
     real = hw is None
     hw = probe() if hw is None else hw
     device = resolve_device(cfg.device) if device is None else device
+    tp = cfg.tensor_parallel_size
+    if tp > 1 and device.type == "cuda" and real:
+        visible = len(hw.gpus)
+        if local_rank >= visible:
+            raise RuntimeError(f"tensor_parallel_size {tp}: local rank {local_rank} needs GPU {local_rank} but "
+                               f"this host has {visible} visible GPU(s)")
+        device = torch.device("cuda", local_rank)
     if real:
         check_gpu_arch(cfg.gpu_arch, device)
     source = source or resolve_model_source(cfg.model, cfg.weights_dir)
@@ -120,6 +137,11 @@ def resolve_plan(cfg: EngineConfig, hw: HardwareInfo | None = None, device: torc
         raise ValueError(f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
                          f"({arch.max_position_embeddings})")
     quantization = engine_quantization(cfg, source.config)
+    check_parallel(arch, tp, cfg.enable_expert_parallel, quantization)
+    ep = tp if cfg.enable_expert_parallel else 1
+    dispatch = "allreduce" if cfg.expert_parallel_dispatch == "auto" else cfg.expert_parallel_dispatch
+    parallel = Parallel(tp, rank, ep, rank if ep > 1 else 0, dispatch)
     specs = {op: backends.resolve(op, getattr(cfg.backends, op), hw, device, dtype, quantization, arch.head_dim)
              for op in backends.OPERATORS} if with_backends else {}
-    return RuntimePlan(cfg, source, arch, hw, device, dtype, dtype, quantization, max_model_len, specs)
+    return RuntimePlan(cfg, source, arch, hw, device, dtype, dtype, quantization, max_model_len, specs, parallel,
+                       local_rank)

@@ -3,6 +3,9 @@ block-FP8) or dummy random init.
 
 The model lists every checkpoint tensor it expects (``checkpoint_entries``); loading copies each one into
 its place and checks the shape. A missing tensor or a shape mismatch is an error that names the tensor.
+On several ranks an entry names the part of the tensor this rank holds (``Entry.shard``): only that part is
+read from the file (``safe_open(...).get_slice(name)[rows]``), with the matching block scales of an FP8
+tensor; tensors of experts another rank holds are not read at all.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from safetensors import safe_open
 
 from moeserve.models import checkpoint_name
 from moeserve.models.layers import MoECausalLM
+from moeserve.models.parallel import Shard
 from moeserve.quant.fp8 import block_scale_shape
 from moeserve.quant.loading import SCALE_SUFFIX, Fp8Placer, is_fp8, quantize_param_
 
@@ -74,15 +78,19 @@ def load_checkpoint(model: MoECausalLM, weights_dir: str | Path) -> dict:
                 if not key.endswith(IGNORED_SUFFIXES) and not (key == "lm_head.weight" and model.arch.tie_word_embeddings):
                     unexpected.append(name)
                 continue
+            if entry.param is None:
+                continue  # another rank's (an expert it holds)
             target = entry.param.data[entry.index] if entry.index else entry.param.data
-            shape = tuple(f.get_slice(name).get_shape())
+            full = tuple(f.get_slice(name).get_shape())
+            shape = _part_shape(name, full, entry.shard)
             if shape != tuple(target.shape):
-                raise WeightError(f"checkpoint tensor {name!r} has shape {list(shape)} but the model "
+                part = " (this rank's part)" if entry.shard is not None else ""
+                raise WeightError(f"checkpoint tensor {name!r} has shape {list(shape)}{part} but the model "
                                   f"({model_type}) expects {list(target.shape)}")
-            _load_tensor(placer, entry, target, name, f.get_tensor(name), where)
+            _load_tensor(placer, entry, target, name, read_part(f, name, entry.shard), where, full)
             loaded.add(key)
             loaded.update(entry.covers)
-    required = {name for name, e in entries.items() if not e.covers}
+    required = {name for name, e in entries.items() if not e.covers and e.param is not None}
     missing = sorted(required - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -92,15 +100,50 @@ def load_checkpoint(model: MoECausalLM, weights_dir: str | Path) -> dict:
     return {"loaded": len(loaded), "ignored": len(unexpected)}
 
 
-def _load_tensor(placer: Fp8Placer, entry, target: torch.Tensor, name: str, tensor: torch.Tensor, where: dict) -> None:
-    """One checkpoint tensor into ``entry``: plain copy, FP8 copy with scales, dequantise or quantise."""
+def _part_shape(name: str, full: tuple[int, ...], shard: Shard | None) -> tuple[int, ...]:
+    if shard is None:
+        return full
+    try:
+        return shard.shape(full)
+    except ValueError as e:
+        raise WeightError(f"checkpoint tensor {name!r} of shape {list(full)} cannot be split: {e}") from None
+
+
+def read_part(f, name: str, shard: Shard | None, ranges: list[tuple[int, int]] | None = None) -> torch.Tensor:
+    """Tensor ``name`` of the open safetensors file ``f``, or only the part ``shard`` describes (the ranges
+    along its dimension read as slices, then joined)."""
+    if shard is None:
+        return f.get_tensor(name)
+    sl = f.get_slice(name)
+    full = tuple(sl.get_shape())
+    d = shard.dim % len(full)
+    ranges = shard.ranges(full[d]) if ranges is None else ranges
+    lead = (slice(None),) * d
+    pieces = [sl[(*lead, slice(a, b))] for a, b in ranges]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=d)
+
+
+def _read_scale(f, scale_name: str, name: str, shard: Shard | None, weight_shape: tuple[int, ...]) -> torch.Tensor:
+    """The block scales of this rank's part of an FP8 weight (whole blocks only)."""
+    if shard is None:
+        return f.get_tensor(scale_name)
+    try:
+        return read_part(f, scale_name, shard, shard.scale_ranges(weight_shape, name))
+    except ValueError as e:
+        raise WeightError(str(e)) from None
+
+
+def _load_tensor(placer: Fp8Placer, entry, target: torch.Tensor, name: str, tensor: torch.Tensor, where: dict,
+                 full_shape: tuple[int, ...]) -> None:
+    """One checkpoint tensor (this rank's part of it) into ``entry``: plain copy, FP8 copy with scales,
+    dequantise or quantise."""
     param_fp8 = is_fp8(entry.param)
     if is_fp8(tensor):
         scale_name = name + SCALE_SUFFIX
         if scale_name not in where:
             raise WeightError(f"checkpoint tensor {name!r} is float8_e4m3fn but its block scales "
                               f"{scale_name!r} are not in the checkpoint")
-        scale = where[scale_name].get_tensor(scale_name)
+        scale = _read_scale(where[scale_name], scale_name, name, entry.shard, full_shape)
         try:
             if param_fp8:
                 placer.place_fp8(name, entry.param, entry.scale, entry.index, tensor, scale, scale_name)

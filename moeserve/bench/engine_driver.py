@@ -110,6 +110,7 @@ def run_moeserve(cfg: EngineConfig, cases: list[WorkloadCase], runs: int, warmup
         entry["notes"] = [failure]
         entry["traceback"] = traceback.format_exc(limit=8)
     device = engine.runner.device
+    engine.shutdown()  # the other ranks of a multi-GPU engine give their GPUs back
     del adapter, engine
     free_device_memory(device)
     if device.type == "cuda":

@@ -106,6 +106,9 @@ def shared_engine_args(cfg: EngineConfig, model_dir: str, load_format: str, dtyp
             "seed": cfg.seed, "disable_log_stats": True}
     if cfg.enforce_eager:
         args["enforce_eager"] = True
+    if cfg.tensor_parallel_size > 1:  # the same GPUs and split as moeserve's
+        args["tensor_parallel_size"] = cfg.tensor_parallel_size
+        args["enable_expert_parallel"] = cfg.enable_expert_parallel
     if cfg.quantization == "fp8":
         args["quantization"] = "fp8"  # vLLM's own FP8 (online, per-tensor); moeserve's is 128x128 block FP8
     if cfg.kv_cache_dtype == "fp8":

@@ -26,6 +26,7 @@ import zmq
 from moeserve.engine.core_protocol import (
     Command, CoreDelta, CoreDied, CoreError, CoreOutputs, EngineLoad, Ready, StartFailed, decode, encode,
 )
+from moeserve.engine.workers import WorkerError
 
 log = logging.getLogger("moeserve.core")
 
@@ -125,6 +126,8 @@ class EngineCore:
         engine = self.engine
         try:
             touched = engine.step()
+        except WorkerError:
+            raise  # a rank of a multi-GPU engine is gone: the core stops, and the front end says so
         except Exception as e:
             log.exception("an engine step failed; failing the requests in it and carrying on")
             victims = [s.request_id for s in list(engine.scheduler.running)]
@@ -223,6 +226,8 @@ def run_engine_core(config, inbox_addr: str, outbox_addr: str, parent_pid: int,
             log.exception("the engine core loop stopped")
             outbox.send(encode(CoreDied(f"{type(e).__name__}: {e}")))
             code = 1
+        finally:
+            engine.shutdown()  # the other ranks of a multi-GPU engine (nothing on one GPU)
     finally:
         inbox.close(linger=0)
         outbox.close()

@@ -35,7 +35,11 @@ class LLMEngine:
         self.config = config
         self.plan = resolve_plan(config)
         self.source, self.hardware = self.plan.source, self.plan.hardware
-        self.runner = ModelRunner(self.plan)
+        if config.world_size > 1:  # one process per GPU; rank 0 here
+            from moeserve.engine.workers import ParallelExecutor
+            self.runner = ParallelExecutor(self.plan)
+        else:
+            self.runner = ModelRunner(self.plan)
         self.arch = self.plan.arch
         self.max_model_len = self.plan.max_model_len
         self.pool = KVCacheManager(self.runner.kv.num_pages, config.page_size, config.enable_prefix_caching)
@@ -179,6 +183,12 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
         )
 
+    def shutdown(self) -> None:
+        """Stop the other ranks of a multi-GPU engine (nothing to do on one GPU)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
+
     # --- introspection -------------------------------------------------------------------------
     def memory_report(self) -> dict:
         r = self.runner
@@ -199,6 +209,8 @@ class LLMEngine:
             "init_seconds": r.init_seconds, "load_seconds": r.load_seconds,
             "graph_capture_seconds": r.graph_capture_seconds, "ready_seconds": self.ready_seconds,
             "enable_prefix_caching": self.pool.enable_caching,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "enable_expert_parallel": self.config.enable_expert_parallel,
         }
 
     def prefix_cache_stats(self) -> dict:

@@ -27,6 +27,10 @@ class LLM:
         self.engine = LLMEngine(config)
         self.config = config
 
+    def shutdown(self) -> None:
+        """Stop the engine's other ranks (tensor_parallel_size > 1); the object is unusable afterwards."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

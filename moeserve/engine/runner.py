@@ -11,6 +11,11 @@ previous one (an event; by then long done).
 
 The runner sees plain data only (``moeserve.engine.step``); the sampler keeps each seeded request's
 random stream until the request is listed in a step's ``finished_request_ids``.
+
+With several ranks (``plan.parallel``) every rank runs a runner on the same steps: it holds its part of the
+model and of the KV cache (its kv heads; the page count is the smallest any rank can hold), the logits are
+gathered on every rank and every rank samples the same tokens (same logits, same seeds), so each can feed
+in-flight tokens from its own device tensor; only rank 0 copies them to the host (``copies_tokens``).
 """
 from __future__ import annotations
 
@@ -25,7 +30,9 @@ from moeserve.engine.kernels import prepare_kernels
 from moeserve.engine.logprobs import PROMPT_ROWS_PER_PASS, PromptLogprobs, SampledLogprobs, cat, score
 from moeserve.engine.step import SamplingRow, ScheduledRequest, StepInput, StepOutput
 from moeserve.models.layers import MoECausalLM, Ops
+from moeserve.models.parallel import local_heads
 from moeserve.ops.kv_cache import KVCache
+from moeserve.ops.parallel import all_reduce_min
 from moeserve.ops.sampling import SamplingBatch, to_device
 from moeserve.plan import RuntimePlan
 from moeserve.weights import load_weights
@@ -53,6 +60,9 @@ class ModelRunner:
         self.plan = plan
         self.device, self.arch, self.dtype = plan.device, plan.arch, plan.dtype
         self.quantization, self.max_model_len = plan.quantization, plan.max_model_len
+        self.parallel = plan.parallel
+        self.num_heads, self.num_kv_heads, _ = local_heads(self.arch, self.parallel)  # this rank's
+        self.copies_tokens = True  # copy sampled tokens to the host (ranks other than 0 have no use for them)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.kernel_cache = prepare_kernels(plan)
@@ -68,7 +78,7 @@ class ModelRunner:
         self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
         self.activation_peak_bytes = 0
         num_pages = self._num_kv_pages()
-        self.kv = KVCache(self.arch.num_layers, num_pages, self.page_size, self.arch.num_kv_heads,
+        self.kv = KVCache(self.arch.num_layers, num_pages, self.page_size, self.num_kv_heads,
                           self.arch.head_dim, self.dtype, self.device)
         self.ops.attention = self._make_attention(self.kv)
         self.sampler = plan.backend_class("sampling")(self.device, cfg.seed)
@@ -90,7 +100,7 @@ class ModelRunner:
                    moe=cls("moe")(dev, dtype), routing=cls("routing")(dev, explicit=plan.explicit("routing")),
                    rope_cls=cls("rope"), names=self.backend_names, quantization=self.quantization,
                    side_stream=torch.cuda.Stream(dev) if side else None,
-                   side_stream_max_tokens=self.cfg.shared_expert_stream_max_tokens)
+                   side_stream_max_tokens=self.cfg.shared_expert_stream_max_tokens, parallel=self.parallel)
 
     def _load_model(self) -> tuple[MoECausalLM, str, list[str]]:
         """The model with its weights in place and every MoE layer prepared by the routing and MoE backends;
@@ -100,7 +110,7 @@ class ModelRunner:
         model = MoECausalLM(self.arch, self.ops, self.dtype, self.device)
         kept = []
         if self.quantization == "fp8":
-            from moeserve.models.layers import keep_in_high_precision
+            from moeserve.models.base import keep_in_high_precision
             from moeserve.quant.config import high_precision_rule
             kept = keep_in_high_precision(model, high_precision_rule(plan.source.config), self.dtype, self.device)
             if kept:
@@ -126,12 +136,12 @@ class ModelRunner:
 
     def _make_attention(self, kv: KVCache):
         a = self.arch
-        return self.plan.backend_class("attention")(kv, a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim ** -0.5, self.device,
-                              self.dtype)
+        return self.plan.backend_class("attention")(kv, self.num_heads, self.num_kv_heads, a.head_dim,
+                                                    a.head_dim ** -0.5, self.device, self.dtype)
 
     def _num_kv_pages(self) -> int:
         cfg, a = self.cfg, self.arch
-        per_page = KVCache.bytes_per_page(a.num_layers, self.page_size, a.num_kv_heads, a.head_dim, self.dtype)
+        per_page = KVCache.bytes_per_page(a.num_layers, self.page_size, self.num_kv_heads, a.head_dim, self.dtype)
         if cfg.num_kv_pages is not None:
             pages = cfg.num_kv_pages
         elif cfg.kv_cache_gb is not None:
@@ -144,6 +154,8 @@ class ModelRunner:
         else:
             wanted = cfg.max_num_seqs * self.max_pages_per_seq + 1
             pages = min(wanted, CPU_KV_BUDGET_BYTES // per_page)
+        if self.parallel.is_parallel:  # every rank holds the same pages (the scheduler's pool)
+            pages = all_reduce_min(pages, self.device)
         if pages - 1 < self.max_pages_per_seq:
             raise ValueError(
                 f"the KV cache holds {max(pages - 1, 0)} pages of {self.page_size} tokens but one request of "
@@ -158,7 +170,7 @@ class ModelRunner:
         seqs = max(1, -(-self.cfg.max_num_batched_tokens // n))
         need = -(-n // self.page_size)
         pages = seqs * need + 1
-        kv = KVCache(self.arch.num_layers, pages, self.page_size, self.arch.num_kv_heads, self.arch.head_dim,
+        kv = KVCache(self.arch.num_layers, pages, self.page_size, self.num_kv_heads, self.arch.head_dim,
                      self.dtype, self.device)
         saved, self.ops.attention = self.ops.attention, self._make_attention(kv)
         items = [ScheduledRequest(f"profile-{i}", 0, [0] * n, list(range(1 + i * need, 1 + (i + 1) * need)), True)
@@ -302,10 +314,10 @@ class ModelRunner:
                 tokens = self.sampler.sample(logits, self.sampling_batch(sampling))
             launched.tokens = tokens
             launched.sampled_logprobs = self._score_sampled(sampling, logits, tokens)
-            if cuda:
+            if self.copies_tokens and cuda:
                 launched.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
                 launched.host.copy_(tokens, non_blocking=True)
-            else:
+            elif self.copies_tokens:
                 launched.host = tokens
         if cuda and (launched.host is not None or launched.prompt_logprobs is not None):
             launched.event = torch.cuda.Event()

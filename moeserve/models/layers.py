@@ -5,130 +5,46 @@ expects (Hugging Face names) with where each one lands, so the weight loader nee
 q/k/v are merged into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` (gate rows first) so each is
 one GEMM; the experts of a layer are stacked into ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``.
 
+With several ranks (``Ops.parallel``) each block holds its part of the model and lists the part of each
+checkpoint tensor it reads (``Entry.shard``; see ``moeserve.models.parallel``); row-parallel linears end in an
+all-reduce. On one rank nothing of that runs.
+
 With ``Ops.quantization == "fp8"`` the dense linears (q/k/v/o, dense and shared-expert MLPs) and the routed
 experts hold ``float8_e4m3fn`` weights with float32 128x128 block scales (``weight_scale_inv``,
 ``w13_scale_inv``, ``w2_scale_inv``); embeddings, LM head, router and norms stay in the model dtype.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from moeserve.models.arch import ArchConfig
-from moeserve.ops.interfaces import (ActivationBackend, AttentionBackend, LinearBackend, MoEBackend, NormBackend,
-                                     RopeBackend, RoutingBackend)
+from moeserve.models.base import Entry, Linear, Ops, empty_param, is_fp8_ops, tp_shard
+from moeserve.models.parallel import MoEParallel, Shard, local_experts, local_heads, padded_vocab
 from moeserve.ops.moe.combine import SharedExpertOutput
 from moeserve.ops.moe.routing import select_experts
 from moeserve.quant.fp8 import FP8_DTYPE, block_scale_shape
 from moeserve.quant.moe_ref import experts_fp8_reference
 
 
-@dataclass
-class Ops:
-    """The backend instances one engine uses; ``attention`` is set once the KV cache exists."""
-
-    linear: LinearBackend
-    norm: NormBackend
-    activation: ActivationBackend
-    moe: MoEBackend
-    rope_cls: type[RopeBackend]
-    routing: RoutingBackend | None = None  # installs each MoE block's router (moeserve.ops.moe.routing)
-    attention: AttentionBackend | None = None
-    names: dict[str, str] = field(default_factory=dict)
-    quantization: str = "none"  # weight format of the quantisable layers: none | fp8
-    # A side CUDA stream the shared expert runs on, overlapped with routing and the routed experts, for steps
-    # of at most ``side_stream_max_tokens`` tokens (vLLM's shared-experts stream); None: one stream.
-    side_stream: torch.cuda.Stream | None = None
-    side_stream_max_tokens: int = 0
-
-
-@dataclass
-class Entry:
-    """One checkpoint tensor: where it goes (``param[index]``) and which other names it stands for;
-    ``scale`` is the block-scale parameter when ``param`` is FP8."""
-
-    param: torch.Tensor
-    index: tuple = ()
-    covers: tuple[str, ...] = ()
-    scale: torch.Tensor | None = None
-
-
-def _param(shape, dtype, device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
-def _fp8(ops: Ops) -> bool:
-    return ops.quantization == "fp8"
-
-
-class Linear(nn.Module):
-    """``y = x W^T + b``; with ``quantize`` and FP8 ops, ``W`` is e4m3 with 128x128 block scales and the FP8
-    path of the linear backend runs it (the bias stays in the model dtype)."""
-
-    def __init__(self, ops: Ops, in_features: int, out_features: int, bias: bool, dtype, device,
-                 quantize: bool = False):
-        super().__init__()
-        self.ops = ops
-        fp8 = quantize and _fp8(ops)
-        self.weight = _param((out_features, in_features), FP8_DTYPE if fp8 else dtype, device)
-        self.weight_scale_inv = _param(block_scale_shape(out_features, in_features), torch.float32,
-                                       device) if fp8 else None
-        self.bias = _param((out_features,), dtype, device) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_scale_inv is not None:
-            return self.ops.linear.linear_fp8(x, self.weight, self.weight_scale_inv, self.bias)
-        return self.ops.linear.linear(x, self.weight, self.bias)
-
-
-def keep_in_high_precision(model: nn.Module, keep, dtype, device) -> list[str]:
-    """Turn the FP8 linears of ``model`` whose checkpoint module names ``keep`` selects into ``dtype``
-    linears (before weights are loaded or drawn); returns those names. A merged linear (q/k/v, gate/up) is
-    kept whole, so its parts must be selected all or none; routed experts cannot be kept."""
-    from moeserve.quant.config import QuantizationError
-    parts: dict[int, list[str]] = {}
-    for name, entry in model.checkpoint_entries().items():
-        if entry.scale is not None and name.endswith(".weight"):
-            parts.setdefault(id(entry.param), []).append(name.removesuffix(".weight"))
-    linears = {id(m.weight): m for m in model.modules() if isinstance(m, Linear)}
-    kept = []
-    for pid, names in parts.items():
-        chosen = [n for n in names if keep(n)]
-        if not chosen:
-            continue
-        lin = linears.get(pid)
-        if lin is None:
-            raise QuantizationError(f"config.json quantization_config keeps {chosen[0]} in high precision; moeserve "
-                                    "runs routed experts in FP8 only (their layers are stored and run as one tensor)")
-        if len(chosen) != len(names):
-            raise QuantizationError(
-                f"config.json quantization_config keeps {', '.join(chosen)} in high precision but not "
-                f"{', '.join(n for n in names if n not in chosen)}; moeserve runs them as one merged linear, so "
-                "a checkpoint must keep all of them or none")
-        lin.weight = _param(tuple(lin.weight.shape), dtype, device)
-        lin.weight_scale_inv = None
-        kept += names
-    return kept
-
-
 class Attention(nn.Module):
     def __init__(self, ops: Ops, arch: ArchConfig, layer_idx: int, rope, dtype, device):
         super().__init__()
         self.ops, self.layer_idx, self.rope = ops, layer_idx, rope
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        self.q_size = arch.num_heads * arch.head_dim
-        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.num_heads, self.num_kv_heads, self.kv_shard = local_heads(arch, ops.parallel)  # this rank's heads
+        self.head_dim = arch.head_dim
+        self.q_size = self.num_heads * arch.head_dim
+        self.kv_size = self.num_kv_heads * arch.head_dim
         self.eps = arch.rms_norm_eps
         self.qkv_proj = Linear(ops, arch.hidden_size, self.q_size + 2 * self.kv_size, arch.qkv_bias, dtype, device,
                                quantize=True)
-        self.o_proj = Linear(ops, self.q_size, arch.hidden_size, arch.o_bias, dtype, device, quantize=True)
+        self.o_proj = Linear(ops, self.q_size, arch.hidden_size, arch.o_bias, dtype, device, quantize=True,
+                             reduce=True)
         self.qk_norm = arch.qk_norm
         if arch.qk_norm:
-            self.q_norm = _param((arch.head_dim,), dtype, device)
-            self.k_norm = _param((arch.head_dim,), dtype, device)
+            self.q_norm = empty_param((arch.head_dim,), dtype, device)
+            self.k_norm = empty_param((arch.head_dim,), dtype, device)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -145,17 +61,19 @@ class Attention(nn.Module):
     def entries(self, prefix: str) -> dict[str, Entry]:
         w, qs, ks = self.qkv_proj.weight, self.q_size, self.kv_size
         sc = self.qkv_proj.weight_scale_inv
+        q_sh, kv_sh = tp_shard(self.ops, 0), self.kv_shard
         e = {
-            f"{prefix}.q_proj.weight": Entry(w, (slice(0, qs),), scale=sc),
-            f"{prefix}.k_proj.weight": Entry(w, (slice(qs, qs + ks),), scale=sc),
-            f"{prefix}.v_proj.weight": Entry(w, (slice(qs + ks, qs + 2 * ks),), scale=sc),
-            f"{prefix}.o_proj.weight": Entry(self.o_proj.weight, scale=self.o_proj.weight_scale_inv),
+            f"{prefix}.q_proj.weight": Entry(w, (slice(0, qs),), scale=sc, shard=q_sh),
+            f"{prefix}.k_proj.weight": Entry(w, (slice(qs, qs + ks),), scale=sc, shard=kv_sh),
+            f"{prefix}.v_proj.weight": Entry(w, (slice(qs + ks, qs + 2 * ks),), scale=sc, shard=kv_sh),
+            f"{prefix}.o_proj.weight": Entry(self.o_proj.weight, scale=self.o_proj.weight_scale_inv,
+                                             shard=tp_shard(self.ops, 1)),
         }
         if self.qkv_proj.bias is not None:
             b = self.qkv_proj.bias
-            e[f"{prefix}.q_proj.bias"] = Entry(b, (slice(0, qs),))
-            e[f"{prefix}.k_proj.bias"] = Entry(b, (slice(qs, qs + ks),))
-            e[f"{prefix}.v_proj.bias"] = Entry(b, (slice(qs + ks, qs + 2 * ks),))
+            e[f"{prefix}.q_proj.bias"] = Entry(b, (slice(0, qs),), shard=q_sh)
+            e[f"{prefix}.k_proj.bias"] = Entry(b, (slice(qs, qs + ks),), shard=kv_sh)
+            e[f"{prefix}.v_proj.bias"] = Entry(b, (slice(qs + ks, qs + 2 * ks),), shard=kv_sh)
         if self.o_proj.bias is not None:
             e[f"{prefix}.o_proj.bias"] = Entry(self.o_proj.bias)
         if self.qk_norm:
@@ -165,21 +83,28 @@ class Attention(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, ops: Ops, hidden: int, intermediate: int, dtype, device):
+    """SwiGLU MLP; on several ranks each holds ``intermediate / tp`` of the gate and up rows and down columns,
+    and the output is all-reduced unless ``reduce`` is off (the shared expert: the MoE block reduces it with
+    the routed experts' output)."""
+
+    def __init__(self, ops: Ops, hidden: int, intermediate: int, dtype, device, reduce: bool = True):
         super().__init__()
+        intermediate //= ops.parallel.tp_size
         self.ops, self.intermediate = ops, intermediate
         self.gate_up_proj = Linear(ops, hidden, 2 * intermediate, False, dtype, device, quantize=True)
-        self.down_proj = Linear(ops, intermediate, hidden, False, dtype, device, quantize=True)
+        self.down_proj = Linear(ops, intermediate, hidden, False, dtype, device, quantize=True, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.activation.silu_and_mul(self.gate_up_proj(x)))
 
     def entries(self, prefix: str) -> dict[str, Entry]:
         w, i, sc = self.gate_up_proj.weight, self.intermediate, self.gate_up_proj.weight_scale_inv
+        rows = tp_shard(self.ops, 0)
         return {
-            f"{prefix}.gate_proj.weight": Entry(w, (slice(0, i),), scale=sc),
-            f"{prefix}.up_proj.weight": Entry(w, (slice(i, 2 * i),), scale=sc),
-            f"{prefix}.down_proj.weight": Entry(self.down_proj.weight, scale=self.down_proj.weight_scale_inv),
+            f"{prefix}.gate_proj.weight": Entry(w, (slice(0, i),), scale=sc, shard=rows),
+            f"{prefix}.up_proj.weight": Entry(w, (slice(i, 2 * i),), scale=sc, shard=rows),
+            f"{prefix}.down_proj.weight": Entry(self.down_proj.weight, scale=self.down_proj.weight_scale_inv,
+                                                shard=tp_shard(self.ops, 1)),
         }
 
 
@@ -193,13 +118,23 @@ class SparseMoE(nn.Module):
     A shared expert's gate (``x . w``, one output) is a row more of the router's weight when both are in the
     model dtype: one GEMM computes the router logits and the gate logit (row ``E``; the weight is padded
     with zero rows to a multiple of 8).
+
+    On several ranks the router is replicated, the shared expert split like a dense MLP, and the routed
+    experts either split along their intermediate size (tensor parallel) or placed whole, ``E / ep`` per rank
+    (expert parallel: ``w13``/``w2`` hold the local experts, ``local_experts`` their global ids);
+    ``moe_parallel`` runs ``run_experts`` across the ranks (dispatch, combine).
     """
 
     def __init__(self, ops: Ops, arch: ArchConfig, dtype, device):
         super().__init__()
         self.ops, self.routing = ops, arch.routing
         self.num_experts, self.top_k = arch.num_experts, arch.routing.top_k
-        h, i, e = arch.hidden_size, arch.moe_intermediate_size, arch.num_experts
+        p = ops.parallel
+        self.local_experts = local_experts(arch.num_experts, p) if p.ep_size > 1 else range(arch.num_experts)
+        # (size, rank) of the split of each expert's intermediate rows, and of the experts among the ranks
+        self.expert_tp = (1, 0) if p.ep_size > 1 else (p.tp_size, p.tp_rank)
+        self.expert_ep = (p.ep_size, p.ep_rank)
+        h, i, e = arch.hidden_size, arch.moe_intermediate_size // self.expert_tp[0], arch.num_experts
         self.intermediate = i
         self.router_fp32 = arch.router_fp32
         gated_shared = bool(arch.shared_expert_intermediate_size and arch.shared_expert_gate)
@@ -209,21 +144,23 @@ class SparseMoE(nn.Module):
             rows = -(-(e + 1) // 8) * 8  # cuBLAS takes slow kernels for outputs whose rows are not 16-byte aligned
         self.gate = Linear(ops, h, rows, False, torch.float32 if arch.router_fp32 else dtype, device)
         self.gate.weight.data[e:].zero_()
-        fp8 = _fp8(ops)
-        self.w13 = _param((e, 2 * i, h), FP8_DTYPE if fp8 else dtype, device)
-        self.w2 = _param((e, h, i), FP8_DTYPE if fp8 else dtype, device)
-        self.w13_scale_inv = _param((e, *block_scale_shape(2 * i, h)), torch.float32, device) if fp8 else None
-        self.w2_scale_inv = _param((e, *block_scale_shape(h, i)), torch.float32, device) if fp8 else None
+        fp8 = is_fp8_ops(ops)
+        el = len(self.local_experts)
+        self.w13 = empty_param((el, 2 * i, h), FP8_DTYPE if fp8 else dtype, device)
+        self.w2 = empty_param((el, h, i), FP8_DTYPE if fp8 else dtype, device)
+        self.w13_scale_inv = empty_param((el, *block_scale_shape(2 * i, h)), torch.float32, device) if fp8 else None
+        self.w2_scale_inv = empty_param((el, *block_scale_shape(h, i)), torch.float32, device) if fp8 else None
         self.w13_order = "gate_up"
-        self.correction_bias = _param((e,), torch.float32, device) if arch.routing_correction_bias else None
+        self.correction_bias = empty_param((e,), torch.float32, device) if arch.routing_correction_bias else None
         self.router = None
         self.routing_impl = "torch"
         self.shared_expert = None
         self.shared_expert_gate = None
         if arch.shared_expert_intermediate_size:
-            self.shared_expert = DenseMLP(ops, h, arch.shared_expert_intermediate_size, dtype, device)
+            self.shared_expert = DenseMLP(ops, h, arch.shared_expert_intermediate_size, dtype, device, reduce=False)
             if arch.shared_expert_gate and not self.shared_gate_in_router:
                 self.shared_expert_gate = Linear(ops, h, 1, False, dtype, device)
+        self.moe_parallel = MoEParallel(p, e, device, ops.moe.maps_expert_ids) if p.is_parallel else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(weights float32 [T, k], ids int32 [T, k], shared-expert gate logit [T, 1] or None)`` for the
@@ -248,6 +185,13 @@ class SparseMoE(nn.Module):
             shared = self._shared(x, gate_logit, None)
         elif shared is not None and shared.gate_logit is None and gate_logit is not None:
             shared.gate_logit = gate_logit  # the router's GEMM computed the gate on this stream
+        if self.moe_parallel is not None:  # dispatch to the ranks' experts, combine their partial sums
+            return self.moe_parallel(self.run_experts, x, weights, ids, shared)
+        return self.run_experts(x, weights, ids, shared)
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    shared: SharedExpertOutput | None) -> torch.Tensor:
+        """This rank's experts (ids outside them count as zero) plus the shared expert's output."""
         if self.w13_scale_inv is not None and not self.ops.moe.serves_fp8:
             out = experts_fp8_reference(x, weights, ids, self)
             return out if shared is None else shared.add_to(out)
@@ -267,16 +211,29 @@ class SparseMoE(nn.Module):
             e[f"{prefix}.shared_expert_gate.weight"] = Entry(self.gate.weight, (slice(n, n + 1),))
         per_expert_13, per_expert_2 = [], []
         s13, s2 = self.w13_scale_inv, self.w2_scale_inv
+        tp, tp_rank = self.expert_tp
+        ep, ep_rank = self.expert_ep
+        rows, cols = (Shard(0, tp_rank, tp), Shard(1, tp_rank, tp)) if tp > 1 else (None, None)
+        first = self.local_experts.start
         for x in range(self.num_experts):
             p = f"{prefix}.experts.{x}"
-            e[f"{p}.gate_proj.weight"] = Entry(self.w13, (x, slice(0, i)), scale=s13)
-            e[f"{p}.up_proj.weight"] = Entry(self.w13, (x, slice(i, 2 * i)), scale=s13)
-            e[f"{p}.down_proj.weight"] = Entry(self.w2, (x,), scale=s2)
-            per_expert_13 += [f"{p}.gate_proj.weight", f"{p}.up_proj.weight"]
-            per_expert_2.append(f"{p}.down_proj.weight")
+            names = (f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight")
+            if x not in self.local_experts:  # another rank holds it
+                e.update({name: Entry(None) for name in names})
+                continue
+            lx = x - first
+            e[names[0]] = Entry(self.w13, (lx, slice(0, i)), scale=s13, shard=rows)
+            e[names[1]] = Entry(self.w13, (lx, slice(i, 2 * i)), scale=s13, shard=rows)
+            e[names[2]] = Entry(self.w2, (lx,), scale=s2, shard=cols)
+            per_expert_13 += names[:2]
+            per_expert_2.append(names[2])
         # Stacked layouts (transformers 5 in memory, some exporters): one tensor for all experts.
-        e[f"{prefix}.experts.gate_up_proj"] = Entry(self.w13, (), tuple(per_expert_13), scale=s13)
-        e[f"{prefix}.experts.down_proj"] = Entry(self.w2, (), tuple(per_expert_2), scale=s2)
+        if ep > 1:
+            sh13 = sh2 = Shard(0, ep_rank, ep)
+        else:
+            sh13, sh2 = (Shard(1, tp_rank, tp, parts=2), Shard(2, tp_rank, tp)) if tp > 1 else (None, None)
+        e[f"{prefix}.experts.gate_up_proj"] = Entry(self.w13, (), tuple(per_expert_13), scale=s13, shard=sh13)
+        e[f"{prefix}.experts.down_proj"] = Entry(self.w2, (), tuple(per_expert_2), scale=s2, shard=sh2)
         if self.correction_bias is not None:
             e[f"{prefix}.gate.e_score_correction_bias"] = Entry(self.correction_bias)
         if self.shared_expert is not None:
@@ -290,8 +247,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, ops: Ops, arch: ArchConfig, layer_idx: int, rope, dtype, device):
         super().__init__()
         self.ops, self.eps = ops, arch.rms_norm_eps
-        self.input_layernorm = _param((arch.hidden_size,), dtype, device)
-        self.post_attention_layernorm = _param((arch.hidden_size,), dtype, device)
+        self.input_layernorm = empty_param((arch.hidden_size,), dtype, device)
+        self.post_attention_layernorm = empty_param((arch.hidden_size,), dtype, device)
         self.self_attn = Attention(ops, arch, layer_idx, rope, dtype, device)
         if arch.layer_is_moe(layer_idx):
             self.mlp = SparseMoE(ops, arch, dtype, device)
@@ -317,25 +274,48 @@ class DecoderLayer(nn.Module):
         return e
 
 
+def _vocab_param(rows: int, start: int, arch: ArchConfig, dtype, device) -> nn.Parameter:
+    """This rank's rows of the embedding or LM head; rows past the vocabulary (padding) are zero."""
+    p = empty_param((rows, arch.hidden_size), dtype, device)
+    real = max(0, min(arch.vocab_size - start, rows))
+    p.data[real:].zero_()
+    return p
+
+
 class MoECausalLM(nn.Module):
-    """Embedding, decoder layers, final norm and LM head, over a flat batch of tokens."""
+    """Embedding, decoder layers, final norm and LM head, over a flat batch of tokens.
+
+    On several ranks the embedding and the LM head hold ``vocab_rows`` rows each (the padded vocabulary split
+    in rank order): a lookup masks the ids of other ranks and all-reduces, the logits are all-gathered."""
 
     def __init__(self, arch: ArchConfig, ops: Ops, dtype: torch.dtype, device: torch.device):
         super().__init__()
         from moeserve.ops.basic import rope_cos_sin_cache
         self.arch, self.ops = arch, ops
-        self.embed_tokens = _param((arch.vocab_size, arch.hidden_size), dtype, device)
+        p = ops.parallel
+        self.vocab_rows = padded_vocab(arch.vocab_size, p.tp_size) // p.tp_size
+        self.vocab_start = p.tp_rank * self.vocab_rows
+        self.embed_tokens = _vocab_param(self.vocab_rows, self.vocab_start, arch, dtype, device)
         cache = rope_cos_sin_cache(arch.rotary_dim, arch.max_position_embeddings, arch.rope_theta,
                                    arch.rope_scaling, device)
         self.rope = ops.rope_cls(arch.head_dim, arch.rotary_dim, cache)
         self.layers = nn.ModuleList(DecoderLayer(ops, arch, i, self.rope, dtype, device)
                                     for i in range(arch.num_layers))
-        self.norm = _param((arch.hidden_size,), dtype, device)
-        self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _param(
-            (arch.vocab_size, arch.hidden_size), dtype, device)
+        self.norm = empty_param((arch.hidden_size,), dtype, device)
+        self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _vocab_param(
+            self.vocab_rows, self.vocab_start, arch, dtype, device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        p = self.ops.parallel
+        if not p.is_parallel:
+            return F.embedding(input_ids, self.embed_tokens)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_rows)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        return p.all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.embed(input_ids)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
@@ -343,15 +323,26 @@ class MoECausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        logits = F.linear(hidden, self.lm_head)
+        p = self.ops.parallel
+        if p.is_parallel:
+            logits = p.all_gather(logits, dim=-1)[:, :self.arch.vocab_size]
+        return logits.float()
 
     def checkpoint_entries(self) -> dict[str, Entry]:
-        e = {"model.embed_tokens.weight": Entry(self.embed_tokens), "model.norm.weight": Entry(self.norm)}
+        e = {"model.embed_tokens.weight": self._vocab_entry(self.embed_tokens), "model.norm.weight": Entry(self.norm)}
         if not self.arch.tie_word_embeddings:
-            e["lm_head.weight"] = Entry(self.lm_head)
+            e["lm_head.weight"] = self._vocab_entry(self.lm_head)
         for i, layer in enumerate(self.layers):
             e.update(layer.entries(f"model.layers.{i}"))
         return e
+
+    def _vocab_entry(self, param: torch.Tensor) -> Entry:
+        p = self.ops.parallel
+        if not p.is_parallel:
+            return Entry(param)
+        real = max(0, min(self.arch.vocab_size - self.vocab_start, self.vocab_rows))
+        return Entry(param, (slice(0, real),), shard=Shard(0, p.tp_rank, p.tp_size, size=self.vocab_rows))
 
     def moe_blocks(self) -> list[SparseMoE]:
         blocks = [getattr(layer.mlp, "_orig_mod", layer.mlp) for layer in self.layers]

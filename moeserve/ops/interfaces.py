@@ -38,6 +38,9 @@ class MoEBackend(ABC):
 
     name: ClassVar[str]
     serves_fp8: ClassVar[bool] = False  # runs block-FP8 experts itself (else the torch FP8 reference does)
+    # Takes global expert ids and the layer's ``expert_ep`` (size, rank) itself; else, with experts split
+    # across ranks, ``experts`` gets local ids, -1 for experts of other ranks, which must count as zero.
+    maps_expert_ids: ClassVar[bool] = False
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device, self.dtype = device, dtype

@@ -25,6 +25,8 @@ def fp8_moe_reference(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
     xq = per_token_group_dequant(*per_token_group_quant_fp8(x))
     ids = topk_ids.to(torch.int64)
     for e in ids.unique().tolist():
+        if e < 0:  # an expert of another rank
+            continue
         token_idx, slot = torch.where(ids == e)
         h = (xq[token_idx] @ block_dequant_fp8(w13[e], w13_scale[e]).t()).to(x.dtype).float()
         act = (F.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype)

@@ -9,7 +9,8 @@ from rich.table import Table
 
 from moeserve.backends import availability_matrix
 from moeserve.config import resolve_dtype
-from moeserve.hardware import MIN_CAPABILITY, probe, resolve_device
+from moeserve.hardware import MIN_CAPABILITY, gpu_topology, probe, resolve_device
+from moeserve.models.parallel import collectives
 
 
 def env_report(cfg=None) -> dict:
@@ -22,6 +23,8 @@ def env_report(cfg=None) -> dict:
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "kernels": availability_matrix(hw, device, dtype, quant),
+        "gpu_topology": gpu_topology() if len(hw.gpus) > 1 else None,
+        "parallel": parallel_report(cfg, device),
     }
     try:
         from moeserve.kernel_cache import artifact_report
@@ -29,6 +32,18 @@ def env_report(cfg=None) -> dict:
     except ImportError:
         pass
     return report
+
+
+def parallel_report(cfg, device) -> dict:
+    import os
+    tp = cfg.tensor_parallel_size if cfg else 1
+    ep = bool(cfg and cfg.enable_expert_parallel)
+    dispatch = cfg.expert_parallel_dispatch if cfg else "auto"
+    out = collectives(tp, ep, "allreduce" if dispatch == "auto" else dispatch, device.type)
+    out["tensor_parallel_size"], out["enable_expert_parallel"] = tp, ep
+    if tp > 1 and device.type == "cuda":
+        out["NCCL_NVLS_ENABLE"] = os.environ.get("NCCL_NVLS_ENABLE", "unset (NCCL decides)")
+    return out
 
 
 def print_env(args) -> int:
@@ -68,6 +83,24 @@ def print_env(args) -> int:
         status = "[green]available[/green]" if row["available"] else f"[yellow]{row['status']}[/yellow]"
         k.add_row(row["operator"], row["backend"], status, "<- auto" if row["auto"] else "")
     con.print(k)
+    topo = report.get("gpu_topology")
+    if topo:
+        t = Table(title="GPU links (nvidia-smi topo -m)")
+        t.add_column("GPUs")
+        t.add_column("link")
+        for pair, link in topo.items():
+            t.add_row(pair, link)
+        con.print(t)
+    par = report["parallel"]
+    if par["ranks"] > 1:
+        t = Table(title=f"Collectives per step: tensor_parallel_size {par['ranks']} over {par['backend']}"
+                  + (", expert parallel" if par["enable_expert_parallel"] else ""))
+        t.add_column("what")
+        for c in par["collectives"]:
+            t.add_row(c)
+        if "NCCL_NVLS_ENABLE" in par:
+            t.add_row(f"NCCL_NVLS_ENABLE={par['NCCL_NVLS_ENABLE']}")
+        con.print(t)
     arts = report.get("flashinfer_artifacts")
     if arts:
         a = Table(title="FlashInfer artifacts")

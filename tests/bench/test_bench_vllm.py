@@ -90,6 +90,16 @@ def test_engine_args_match_moeserve(tmp_path):
     assert VLLM_CONFIGS["flashinfer"] == {"attention_backend": "FLASHINFER", "moe_backend": "flashinfer_cutlass"}
 
 
+def test_engine_args_carry_the_parallel_layout(tmp_path):
+    cfg = make_config(model="tiny", max_model_len=256)
+    model_dir, fmt = hf_model_dir(cfg, resolve_model_source("tiny"), tmp_path)
+    assert "tensor_parallel_size" not in shared_engine_args(cfg, model_dir, fmt, "bfloat16", 256, 0.5)
+    for ep in (False, True):
+        cfg = make_config(model="tiny", max_model_len=256, tensor_parallel_size=2, enable_expert_parallel=ep)
+        args = shared_engine_args(cfg, model_dir, fmt, "bfloat16", 256, 0.5)
+        assert args["tensor_parallel_size"] == 2 and args["enable_expert_parallel"] is ep
+
+
 def test_worker_runs_the_workloads_and_reports_backends(fake_vllm, tmp_path):
     cfg, args = _args(tmp_path)
     cases = [WorkloadCase("decode", 2, 8, 5), WorkloadCase("mixed", 2, 8, 5)]

@@ -62,6 +62,8 @@ COMBINE_CASES = {
     "T7-k4-gated-bf16": (7, 4, 96, torch.bfloat16, True, True),
     "T0": (0, 2, 32, torch.float32, True, True),
 }
+# name: (T, E, k): routing with about half the ids -1
+MASKED_CASES = {"T1": (1, 8, 2), "T33": (33, 8, 2), "T17-k4": (17, 4, 4)}
 COMBINE_BF16_TOL = 1e-2  # relative, one bf16 rounding of a float32 sum (2**-8 = 3.9e-3 per element at most)
 
 
@@ -101,13 +103,15 @@ def _interpreter_worker(in_path: str, out_path: str) -> None:
     from moeserve.ops.moe.combine_triton import moe_combine_triton
     from moeserve.ops.moe.triton_kernels import fused_moe, moe_align_block_size
     inputs = torch.load(in_path)
-    out = {"moe": {}, "align": {}, "combine": {}}
+    out = {"moe": {}, "align": {}, "combine": {}, "masked": {}}
     for name, (down, k, shared, gate) in inputs["combine"].items():
         out["combine"][name] = moe_combine_triton(down, k, shared, gate)
     for name, (x, w13, w2, tw, ti, cfg) in inputs["moe"].items():
         out["moe"][name] = fused_moe(x, w13, w2, tw, ti, config=cfg)
     for name, (ids, block_m, E) in inputs["align"].items():
         out["align"][name] = moe_align_block_size(ids, block_m, E)
+    for name, (x, w13, w2, tw, ti) in inputs["masked"].items():
+        out["masked"][name] = fused_moe(x, w13, w2, tw, ti, masked_ids=True)
     torch.save(out, out_path)
 
 
@@ -127,7 +131,12 @@ def interpreted(tmp_path_factory):
         shared = torch.randn(T, H, generator=gen).to(dtype) if with_shared else None
         gate = (torch.randn(T, 1, generator=gen) * 3).to(dtype) if gated else None
         combine[name] = (down, k, shared, gate)
-    inputs = {"moe": moe, "align": align, "combine": combine}
+    masked = {}
+    for name, (T, E, k) in MASKED_CASES.items():  # ids of experts held by another rank are -1 (expert parallel)
+        x, w13, w2, tw, ti = random_moe_inputs(T, E, k, 72, 40, torch.float32, gen)
+        ti = ti.masked_fill(torch.rand(ti.shape, generator=gen) < 0.5, -1)
+        masked[name] = (x, w13, w2, tw, ti)
+    inputs = {"moe": moe, "align": align, "combine": combine, "masked": masked}
     return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("interp"), SEED)
 
 
@@ -161,6 +170,20 @@ def test_fused_moe_interpreter(interpreted, name):
     else:
         err = float((y.double() - ref).norm() / ref.norm())
         assert err < FP16_REL_FRO, f"seed {SEED}: relative Frobenius error {err:.3g}"
+
+
+@pytest.mark.parametrize("name", list(MASKED_CASES))
+def test_masked_ids_add_nothing(interpreted, name):
+    """Expert parallel: ids -1 (another rank's experts) contribute zero, in the kernel and in the torch
+    reference alike."""
+    from moeserve.ops.moe.torch_ref import torch_moe
+    inputs, outputs = interpreted
+    x, w13, w2, tw, ti = inputs["masked"][name]
+    keep = ti >= 0
+    ref = reference_moe(x, w13, w2, tw * keep, ti.clamp(min=0))
+    torch.testing.assert_close(outputs["masked"][name].double(), ref, rtol=FP32_RTOL, atol=FP32_ATOL,
+                               msg=lambda m: f"seed {SEED}: {m}")
+    torch.testing.assert_close(torch_moe(x, w13, w2, tw, ti).double(), ref, rtol=FP32_RTOL, atol=FP32_ATOL)
 
 
 @pytest.mark.parametrize("name", list(ALIGN_CASES))

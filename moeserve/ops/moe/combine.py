@@ -36,6 +36,12 @@ class SharedExpertOutput:
     def add_to(self, routed: torch.Tensor) -> torch.Tensor:
         return routed + self.gated()
 
+    def padded(self, rows: int) -> SharedExpertOutput:
+        """The same output with ``rows`` zero rows appended (joined first): for a step padded across ranks."""
+        self.join()
+        pad = lambda t: None if t is None else torch.nn.functional.pad(t, (0, 0, 0, rows))  # noqa: E731
+        return SharedExpertOutput(pad(self.out), pad(self.gate_logit), None)
+
 
 def combine_reference(down: torch.Tensor, top_k: int, shared: SharedExpertOutput | None,
                       out: torch.Tensor | None = None) -> torch.Tensor:

@@ -42,8 +42,12 @@ def fp8_layout_problem(inter: int, hidden: int) -> str | None:
 
 
 class FlashInferMoE(MoEBackend):
+    """With several ranks the kernel gets the layer's split: ``tp_size/tp_rank`` (each expert's intermediate
+    rows) or ``ep_size/ep_rank`` (whole experts; it takes global ids and skips those of other ranks)."""
+
     name = "flashinfer"
     serves_fp8 = True
+    maps_expert_ids = True
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         from flashinfer.fused_moe import cutlass_fused_moe
@@ -80,12 +84,16 @@ class FlashInferMoE(MoEBackend):
 
     def _finalized(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer) -> torch.Tensor:
         scales = layer.w13_scale_inv
+        (tp_size, tp_rank) = getattr(layer, "expert_tp", (1, 0))  # a SparseMoE block on several ranks
+        (ep_size, ep_rank) = getattr(layer, "expert_ep", (1, 0))
+        split = dict(tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size, ep_rank=ep_rank)
         if scales is not None:
             out = self._fn(x, topk_ids.to(torch.int32), topk_weights.to(torch.float32), layer.w13, layer.w2,
-                           x.dtype, quant_scales=[scales, layer.w2_scale_inv], use_deepseek_fp8_block_scale=True)
+                           x.dtype, quant_scales=[scales, layer.w2_scale_inv], use_deepseek_fp8_block_scale=True,
+                           **split)
             return out[0]
         out = self._fn(x, topk_ids.to(torch.int32), topk_weights.to(torch.float32), layer.w13, layer.w2,
-                       x.dtype, quant_scales=[])
+                       x.dtype, quant_scales=[], **split)
         return out[0]
 
 

@@ -206,7 +206,7 @@ def _check_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
 def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                   w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   config: dict | None = None, out: torch.Tensor | None = None,
-                  shared: SharedExpertOutput | None = None) -> torch.Tensor:
+                  shared: SharedExpertOutput | None = None, masked_ids: bool = False) -> torch.Tensor:
     """Block-FP8 SwiGLU experts: ``sum_j w[t,j] * W2[e] Q(silu(G_e Q(x_t)) * U_e Q(x_t))``, ``e = ids[t,j]``.
 
     Shapes as in ``triton_kernels.fused_moe`` plus the block scales; returns ``[T, H]`` in ``x.dtype``. The
@@ -240,7 +240,7 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     invoke_fused_moe_fp8_kernel(xq, xs, w13, w13_scale, gate_up, None, sorted_ids, expert_ids, ntpp, top_k,
                                 config, max_rows)
     aq, as_ = quantize_activations(silu_and_mul(gate_up))
-    down = torch.empty((rows, h), dtype=x.dtype, device=x.device)
+    down = (torch.zeros if masked_ids else torch.empty)((rows, h), dtype=x.dtype, device=x.device)
     invoke_fused_moe_fp8_kernel(aq, as_, w2, w2_scale, down, weights, sorted_ids, expert_ids, ntpp, 1, config,
                                 max_rows)
     return moe_combine(down, top_k, shared, out)

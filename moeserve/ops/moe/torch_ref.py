@@ -12,12 +12,15 @@ def torch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     """``sum_j w[t,j] * w2[e] @ (silu(gate_e x) * up_e x)`` over the k experts ``e = ids[t,j]``.
 
     ``w13`` is ``[E, 2I, H]`` with the gate rows first; ``w2`` is ``[E, H, I]``. The routing weights are
-    cast to the activation dtype before use, as Hugging Face's MoE blocks do.
+    cast to the activation dtype before use, as Hugging Face's MoE blocks do. Negative ids (experts held by
+    other ranks) contribute nothing.
     """
     out = torch.zeros_like(x)
     inter = w2.shape[-1]
     ids = topk_ids.to(torch.int64)
     for e in ids.unique().tolist():
+        if e < 0:
+            continue
         token_idx, slot = torch.where(ids == e)
         h = F.linear(x[token_idx], w13[e])
         h = F.silu(h[:, :inter]) * h[:, inter:]

@@ -46,8 +46,10 @@ class TritonMoE(MoEBackend):
     @torch.compiler.disable  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer,
                 shared=None) -> torch.Tensor:
+        masked = getattr(layer, "expert_ep", (1, 0))[0] > 1  # ids of other ranks' experts are -1
         if layer.w13_scale_inv is not None:
             return self._fp8.fused_moe_fp8(x, layer.w13, layer.w13_scale_inv, layer.w2, layer.w2_scale_inv,
-                                           topk_weights, topk_ids, shared=shared)
-        return self._kernels.fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, shared=shared)
+                                           topk_weights, topk_ids, shared=shared, masked_ids=masked)
+        return self._kernels.fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, shared=shared,
+                                       masked_ids=masked)
 

@@ -286,14 +286,15 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids):
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: dict | None = None, out: torch.Tensor | None = None,
-              shared: SharedExpertOutput | None = None) -> torch.Tensor:
+              shared: SharedExpertOutput | None = None, masked_ids: bool = False) -> torch.Tensor:
     """Mixture-of-experts SwiGLU MLP: ``sum_j w[t,j] * w2[e] @ (silu(gate_e x_t) * up_e x_t)``, ``e = ids[t,j]``.
 
     ``x`` ``[T, H]``; ``w13`` ``[E, 2I, H]`` (gate rows ``[0, I)``, up rows ``[I, 2I)``); ``w2`` ``[E, H, I]``;
     ``topk_weights`` ``[T, k]`` fp32; ``topk_ids`` ``[T, k]`` int32/int64. Returns ``[T, H]`` in ``x.dtype``
     (written into ``out`` when given). ``config`` holds the Triton tile parameters; ``None`` selects one with
-    :func:`get_config`. ``shared``: a shared expert's output, added (gated) in the combine. GEMMs accumulate in
-    fp32; no host synchronisation.
+    :func:`get_config`. ``shared``: a shared expert's output, added (gated) in the combine. ``masked_ids``:
+    ``topk_ids`` may hold -1 (experts of other ranks), which add nothing. GEMMs accumulate in fp32; no host
+    synchronisation.
     """
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
     t, h = x.shape
@@ -317,7 +318,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     gate_up = torch.empty((rows, two_i), dtype=x.dtype, device=x.device)
     invoke_fused_moe_kernel(x, w13, gate_up, None, sorted_ids, expert_ids, ntpp, top_k, config, max_rows)
     act = silu_and_mul(gate_up)
-    down = torch.empty((rows, h), dtype=x.dtype, device=x.device)
+    # rows of a masked id are never written: zero them for the combine's sum
+    down = (torch.zeros if masked_ids else torch.empty)((rows, h), dtype=x.dtype, device=x.device)
     invoke_fused_moe_kernel(act, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, config, max_rows)
     return moe_combine(down, top_k, shared, out)
 
