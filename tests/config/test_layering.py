@@ -11,7 +11,7 @@ ROOT = Path(moeserve.__file__).resolve().parent
 # Lowest first; a module may import modules of its own layer or of a lower one.
 LAYERS = [
     ("config", ["moeserve", "moeserve.config", "moeserve.hardware", "moeserve.backends", "moeserve.args",
-                "moeserve.hub"]),
+                "moeserve.hub", "moeserve.progress"]),
     ("quant", ["moeserve.quant"]),
     ("kernel-cache runtime", ["moeserve.kernel_cache"]),
     ("ops", ["moeserve.ops"]),
