@@ -19,7 +19,7 @@ LAYERS = [
     ("weights and plan", ["moeserve.weights", "moeserve.plan"]),
     ("engine", ["moeserve.engine"]),
     ("server, bench, tools", ["moeserve.server", "moeserve.bench", "moeserve.tools"]),
-    ("cli", ["moeserve.cli"]),
+    ("cli", ["moeserve.cli", "moeserve.preflight"]),
 ]
 
 
