@@ -155,13 +155,14 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions that report a user's mistake or the machine's state, not a bug: one line, no traceback."""
     from moeserve.backends import BackendUnavailable
     from moeserve.config import ConfigError
+    from moeserve.deps import MissingDependency
     from moeserve.engine.requests import RequestError
     from moeserve.hardware import DeviceError
     from moeserve.hub import HubError
     from moeserve.kernel_cache import KernelCacheError
     from moeserve.weights import WeightError
     return (ConfigError, HubError, WeightError, BackendUnavailable, DeviceError, RequestError, KernelCacheError,
-            NotImplementedError, OSError)
+            MissingDependency, NotImplementedError, OSError)
 
 
 def error_line(e: BaseException) -> str:

@@ -60,33 +60,37 @@ def model_snapshot(repo_id: str, revision: str | None = None) -> Path:
 @functools.lru_cache(maxsize=32)
 def _snapshot(repo_id: str, revision: str | None, cache_dir: str, offline: bool) -> Path:
     try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import (GatedRepoError, HFValidationError, IncompleteSnapshotError,
-                                            LocalEntryNotFoundError, RepositoryNotFoundError,
-                                            RevisionNotFoundError)
+        from huggingface_hub import errors, snapshot_download
     except ImportError as e:  # it comes with transformers; a broken install still gets a plain answer
         raise HubError(f"model: {repo_id!r} is a Hugging Face hub id but huggingface_hub cannot be imported "
                        f"({_first_line(e)}); pip install huggingface_hub") from None
+
+    class _Absent(Exception):
+        """An error class this huggingface_hub version does not have."""
+
+    def err(name: str) -> type[Exception]:
+        return getattr(errors, name, _Absent)
+
     where = f"the Hugging Face cache ({cache_dir})"
     try:
         path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=offline,
                                  allow_patterns=ALLOW_PATTERNS)
-    except GatedRepoError:
+    except err("GatedRepoError"):
         raise HubError(f"model: {repo_id!r} is gated on the Hugging Face hub: accept its terms on "
                        f"https://huggingface.co/{repo_id} and set HF_TOKEN") from None
-    except RepositoryNotFoundError:
+    except err("RepositoryNotFoundError"):
         raise HubError(f"model: {repo_id!r} is not a local directory, and the Hugging Face hub has no model of "
                        "that name (or it is private: set HF_TOKEN)") from None
-    except RevisionNotFoundError:
+    except err("RevisionNotFoundError"):
         raise HubError(f"revision: {revision!r} does not exist for the model {repo_id!r}") from None
-    except IncompleteSnapshotError:
+    except err("IncompleteSnapshotError"):
         raise HubError(f"model: the cached snapshot of {repo_id!r} in {where} is incomplete (an interrupted "
                        "download?) and the hub cannot be reached to finish it") from None
-    except LocalEntryNotFoundError as e:
+    except err("LocalEntryNotFoundError") as e:
         why = ("the hub is offline (HF_HUB_OFFLINE is set)" if offline else
                f"the hub could not be reached ({_first_line(e.__cause__ or e)})")
         raise HubError(f"model: {repo_id!r} is not a local directory, not in {where}, and {why}") from None
-    except HFValidationError as e:
+    except err("HFValidationError") as e:
         raise HubError(f"model: {repo_id!r} is not a valid Hugging Face model id: {_first_line(e)}") from None
     except OSError as e:  # disk full, permissions, a failed transfer
         raise HubError(f"model: fetching {repo_id!r} into {where} failed: {_first_line(e)}") from None

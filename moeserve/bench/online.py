@@ -215,7 +215,8 @@ async def _get_json(client, url: str, headers: dict) -> dict | None:
 
 
 async def _bench(args) -> dict:
-    import httpx
+    from moeserve.deps import require
+    httpx = require("httpx", "moeserve bench online")
 
     base = args.url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

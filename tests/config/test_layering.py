@@ -10,7 +10,7 @@ ROOT = Path(moeserve.__file__).resolve().parent
 
 # Lowest first; a module may import modules of its own layer or of a lower one.
 LAYERS = [
-    ("config", ["moeserve", "moeserve.config", "moeserve.hardware", "moeserve.backends", "moeserve.args",
+    ("config", ["moeserve", "moeserve.deps", "moeserve.config", "moeserve.hardware", "moeserve.backends", "moeserve.args",
                 "moeserve.hub", "moeserve.progress"]),
     ("quant", ["moeserve.quant"]),
     ("kernel-cache runtime", ["moeserve.kernel_cache"]),
