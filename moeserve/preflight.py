@@ -20,9 +20,9 @@ def check_engine(cfg: EngineConfig):
 
 def check_listen_address(host: str, port: int) -> None:
     """Bind ``host:port`` once and let it go: an address in use or one this machine cannot bind is an
-    OSError naming it, raised before the model loads (port 0 takes any free port and needs no check)."""
+    OSError naming it, raised before the model loads (port 0 checks the host alone)."""
     from moeserve.server.cli import bind_socket
-    if port == 0 or not 0 < port <= 65535:  # out of range: refused with the server settings
+    if not 0 <= port <= 65535:  # refused with the server settings
         return
     try:
         bind_socket(host, port).close()

@@ -10,15 +10,18 @@ import json
 import logging
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from moeserve.models import checkpoint_name
-from moeserve.models.layers import MoECausalLM
 from moeserve.progress import progress_bar
 from moeserve.quant.fp8 import block_scale_shape
 from moeserve.quant.loading import SCALE_SUFFIX, Fp8Placer, is_fp8, quantize_param_
+
+if TYPE_CHECKING:  # the model's layers load torch.compile's machinery: not needed to check the files
+    from moeserve.models.layers import MoECausalLM
 
 log = logging.getLogger("moeserve")
 
