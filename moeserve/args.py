@@ -21,7 +21,7 @@ NOT_FLAGS = ("backends", "bench", "server", "model")
 # --- the parser ------------------------------------------------------------------------------------
 
 def _plain(text: str) -> str:
-    return text.replace("``", "")
+    return text.replace("``", "").replace("`", "")
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -35,6 +35,15 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _split_lines(self, text, width):
         return super()._split_lines(_plain(text), width)
+
+    def _get_help_string(self, action):
+        """The help, with ``(default: X)`` added where the flag has a default its help does not tell."""
+        text = action.help or ""
+        default = action.default
+        if "default" in text or not action.option_strings or action.required or default is None \
+                or default is False or default == [] or default is argparse.SUPPRESS:
+            return text
+        return text + " (default: %(default)s)"
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -121,7 +130,7 @@ def add_config_args(p: argparse.ArgumentParser, positional_model: bool = False) 
                    "(default: none)")
     model_help = EngineConfig.model_fields["model"].description
     g.add_argument("--model", dest="cfg_model", default=None, metavar="MODEL",
-                   help=("the same as the positional MODEL" if positional_model else model_help
+                   help=("the same as the positional MODEL (default: the positional MODEL)" if positional_model else model_help
                          + " (default: tiny)"))
     for name in EngineConfig.model_fields:
         if name not in NOT_FLAGS:

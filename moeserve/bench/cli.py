@@ -39,16 +39,16 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quick", action="store_true",
                    help="1 timed run after 1 warm-up, only the lowest and highest concurrency")
     g.add_argument("--skip-vllm", action="store_true", help="moeserve only")
-    g.add_argument("--only", choices=("moeserve", "vllm"), help="run only this engine")
+    g.add_argument("--only", choices=("moeserve", "vllm"), help="run only this engine (default: both)")
     g.add_argument("--vllm-config", action="append", default=[], metavar="NAME",
                    help="vLLM configuration to run (repeatable; default: bench.vllm.configs). Known: default, "
                         "flashinfer, flashinfer-attention, triton-moe")
     g.add_argument("--time-budget", type=float, metavar="SECONDS",
                    help="finish within this many seconds: vLLM start timeouts are cut to what is left, and a "
-                        "configuration that cannot start in time is reported as unavailable")
+                        "configuration that cannot start in time is reported as unavailable (default: no limit)")
     g.add_argument("--output-dir", metavar="DIR", help="write here (default: bench.output_dir/<timestamp>)")
     g.add_argument("--merge", action="append", default=[], metavar="RESULT.json",
-                   help="add the engines of an earlier result file (same workloads) to this report")
+                   help="add the engines of an earlier result file (same workloads) to this report (repeatable)")
     g.add_argument("--vllm-together", action="store_true",
                    help="start every vLLM configuration at once (GPU memory split between them) and run their "
                         "workloads one engine at a time: the start-ups overlap, the timed runs do not")
@@ -62,9 +62,9 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quick", action="store_true", help="lowest and highest batch size only")
     g.add_argument("--batch-sizes", type=int, nargs="+", metavar="N", help="decode batch sizes (default: "
                    "bench.concurrency)")
-    g.add_argument("--time-budget", type=float, metavar="SECONDS", help="skip kernels not started by then")
+    g.add_argument("--time-budget", type=float, metavar="SECONDS", help="skip kernels not started by then (default: no limit)")
     g.add_argument("--kernels", metavar="REGEX", help="run only the kernels whose name matches (case-insensitive "
-                   "search, e.g. 'mixed' or 'decode'); the others are listed as skipped")
+                   "search, e.g. 'mixed' or 'decode'); the others are listed as skipped (default: all)")
     g.add_argument("--allow-slow-jit", action="store_true",
                    help="also run kernels whose FlashInfer module is not built yet and takes many minutes to "
                         "compile (the CUTLASS fused MoE)")
@@ -72,8 +72,7 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers, name: str, help_text: str) -> None:
-    p = subparsers.add_parser(name, help=help_text, description=__doc__.split("\n\n")[1],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(name, help=help_text, description=__doc__.split("\n\n")[1])
     add_offline_args(p)
     p.set_defaults(func=run_offline)
     modes = p.add_subparsers(dest="bench_mode", metavar="MODE", title="modes (default: run)")
