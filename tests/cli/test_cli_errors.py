@@ -2,7 +2,6 @@
 that names the problem, and no traceback. Each case fails before a model loads (a load would log a line of
 its own), so the table runs in a few seconds per case, several cases at a time."""
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -14,20 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_utils import cli_env, run_cli
 from hf_models import make_checkpoint
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def cli_env(**extra) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    env.update(extra)
-    return env
-
-
-def run_cli(args, env=None, timeout=180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moeserve.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env or cli_env())
 
 
 @pytest.fixture(scope="module")
