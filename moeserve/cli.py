@@ -13,7 +13,7 @@ import logging
 import sys
 import traceback
 
-from moeserve.args import ArgumentParser, add_config_args, add_verbose, config_from_args
+# moeserve.args (and torch with it) is imported inside main(), where Ctrl+C during the import exits quietly
 
 # generate's sampling flags: SamplingParams field -> argparse dest
 SAMPLING_FLAGS = {"max_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
@@ -38,6 +38,7 @@ def token_ids(text: str) -> list[int]:
 
 
 def _cmd_generate(args) -> int:
+    from moeserve.args import config_from_args
     from moeserve.preflight import check_engine, check_prompts, sampling_params_from_args
     cfg = config_from_args(args)
     params = sampling_params_from_args(args, SAMPLING_FLAGS)
@@ -64,6 +65,7 @@ def _cmd_generate(args) -> int:
 
 
 def _add_generate(sub) -> None:
+    from moeserve.args import add_config_args
     g = sub.add_parser("generate", help="generate from prompts with the offline API",
                        description="Generate from prompts with the offline API (LLM.generate) and print the "
                        "outputs: moeserve generate tiny --prompt-token-ids 1,2,3")
@@ -106,6 +108,7 @@ def _version() -> str:
 
 def _add_verbose_everywhere(parser: argparse.ArgumentParser) -> None:
     """``-v`` after any subcommand too (``moeserve serve tiny -v``)."""
+    from moeserve.args import add_verbose
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sp in action.choices.values():
@@ -117,6 +120,7 @@ def _add_verbose_everywhere(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
+    from moeserve.args import ArgumentParser, add_config_args, add_verbose
     from moeserve.preflight import check_serve
     p = ArgumentParser(prog="moeserve", description=__doc__.split("\n", 1)[1])
     p.add_argument("-V", "--version", action="version", version=_version(), help="print the version and exit")
