@@ -155,18 +155,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 # --- errors -----------------------------------------------------------------------------------------
 
+# Exceptions that report a user's mistake or the machine's state, not a bug: (module, class). One that was
+# raised was imported; looking them up in sys.modules keeps a quick failure from importing torch.
+USER_ERRORS = [("moeserve.config", "ConfigError"), ("moeserve.hub", "HubError"), ("moeserve.weights", "WeightError"),
+               ("moeserve.backends", "BackendUnavailable"), ("moeserve.hardware", "DeviceError"),
+               ("moeserve.engine.requests", "RequestError"), ("moeserve.kernel_cache.layout", "KernelCacheError"),
+               ("moeserve.deps", "MissingDependency")]
+
+
 def user_error_types() -> tuple[type[BaseException], ...]:
-    """Exceptions that report a user's mistake or the machine's state, not a bug: one line, no traceback."""
-    from moeserve.backends import BackendUnavailable
-    from moeserve.config import ConfigError
-    from moeserve.deps import MissingDependency
-    from moeserve.engine.requests import RequestError
-    from moeserve.hardware import DeviceError
-    from moeserve.hub import HubError
-    from moeserve.kernel_cache import KernelCacheError
-    from moeserve.weights import WeightError
-    return (ConfigError, HubError, WeightError, BackendUnavailable, DeviceError, RequestError, KernelCacheError,
-            MissingDependency, NotImplementedError, OSError)
+    """The user-error classes imported so far, with NotImplementedError and OSError: one line, no traceback."""
+    found = [getattr(sys.modules[m], name) for m, name in USER_ERRORS if m in sys.modules]
+    return (*found, NotImplementedError, OSError)
 
 
 def error_line(e: BaseException) -> str:

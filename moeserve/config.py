@@ -235,6 +235,14 @@ class ModelSource(BaseModel):
     weights_dir: str | None  # directory with *.safetensors, when there are weights
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer_files(config_dir: str | None) -> bool:
+    """Whether the model's directory holds a Hugging Face tokenizer (text prompts need one)."""
+    return config_dir is not None and any((Path(config_dir) / f).is_file() for f in TOKENIZER_FILES)
+
+
 def _has_safetensors(d: Path) -> bool:
     return any(d.glob("*.safetensors"))
 

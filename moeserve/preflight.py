@@ -4,7 +4,6 @@ A mistake found here costs the user a second, not a model load."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from moeserve.config import EngineConfig
 
@@ -32,13 +31,22 @@ def check_listen_address(host: str, port: int) -> None:
 
 
 def check_serve(args: argparse.Namespace) -> None:
-    """``moeserve serve``: config, plan, weights and address, before ``run_serve`` loads the model."""
+    """``moeserve serve``: config, server settings, address, plan and weights, before ``run_serve`` loads the
+    model (the cheap checks first: a mistake there is answered without importing torch)."""
+    from pydantic import ValidationError
+
     from moeserve.args import config_from_args
+    from moeserve.config import ConfigError
     cfg = config_from_args(args)
+    for field in ("host", "port", "api_key", "served_model_name", "max_queue_len"):
+        value = getattr(args, field, None)
+        if value is not None:
+            try:
+                setattr(cfg.server, field, value)
+            except ValidationError as e:
+                raise ConfigError(f"config error: server.{field}: {e.errors()[0]['msg']} (got {value!r})") from None
+    check_listen_address(cfg.server.host, cfg.server.port)
     check_engine(cfg)
-    host = args.host if args.host is not None else cfg.server.host
-    port = args.port if args.port is not None else cfg.server.port
-    check_listen_address(host, port)
 
 
 def sampling_params_from_args(args: argparse.Namespace, flags: dict[str, str]):
@@ -55,15 +63,11 @@ def sampling_params_from_args(args: argparse.Namespace, flags: dict[str, str]):
         raise RequestError(f"{flag}: {why}" if why else str(e)) from None
 
 
-def has_tokenizer(config_dir: str | None) -> bool:
-    from moeserve.engine.engine import TOKENIZER_FILES
-    return config_dir is not None and any((Path(config_dir) / f).is_file() for f in TOKENIZER_FILES)
-
-
 def check_prompts(plan, texts: list[str], token_prompts: list[list[int]], params) -> None:
     """Each prompt against the model's vocabulary and context (``--prompt-token-ids`` N names the Nth)."""
     from moeserve.engine.requests import RequestError, RequestLimits, validate_request
-    tokenizer = has_tokenizer(plan.source.config_dir)
+    from moeserve.config import has_tokenizer_files
+    tokenizer = has_tokenizer_files(plan.source.config_dir)
     if texts and not tokenizer:
         raise RequestError("--prompt: this model has no tokenizer; give token ids with --prompt-token-ids 1,2,3")
     limits = RequestLimits(plan.arch.vocab_size, plan.max_model_len, tokenizer)

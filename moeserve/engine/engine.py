@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from moeserve.config import EngineConfig
+from moeserve.config import TOKENIZER_FILES, EngineConfig
 from moeserve.engine.kv_cache import KVCacheManager
 from moeserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from moeserve.engine.requests import RequestError, RequestLimits, validate_request
@@ -28,9 +28,6 @@ from moeserve.engine.sequence import Sequence
 from moeserve.plan import resolve_plan
 
 log = logging.getLogger("moeserve")
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
 
 def load_tokenizer(config_dir: str | None):
     if config_dir is None or not any((Path(config_dir) / f).is_file() for f in TOKENIZER_FILES):
