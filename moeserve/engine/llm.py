@@ -17,7 +17,8 @@ class LLM:
     """An engine for offline batches.
 
     ``LLM(model="tiny")`` runs the embedded tiny model; ``model`` may also be a preset name, a directory
-    holding config.json (and safetensors and a tokenizer), or a config.json path. Other keyword
+    holding config.json (and safetensors and a tokenizer), a config.json path, or a Hugging Face model id
+    (``Qwen/Qwen1.5-MoE-A2.7B``: fetched into the Hugging Face cache, or found there offline). Other keyword
     arguments are engine config fields (``max_num_seqs=8``, ``backends={"moe": "triton"}``, ...).
     """
 
