@@ -17,10 +17,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the table is read by every command's argument parser: torch loads only where it runs
+    import torch
 
-from moeserve.hardware import HardwareInfo
+    from moeserve.hardware import HardwareInfo
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class Requirements:
     packages: tuple[str, ...] = ()
     bf16_min_capability: tuple[int, int] = (8, 0)
     quantization: tuple[str, ...] | None = None  # weight formats it serves; None = any
-    dtypes: tuple[torch.dtype, ...] | None = None  # activation dtypes it serves; None = any
+    dtypes: tuple[str, ...] | None = None  # activation dtypes it serves (float16, bfloat16, ...); None = any
     head_dims: tuple[int, ...] | None = None  # attention head sizes it serves; None = any
 
 
@@ -52,7 +54,7 @@ def _sm(cc: tuple[int, int]) -> str:
 
 
 _FI = ("flashinfer",)
-_HALF = (torch.float16, torch.bfloat16)
+_HALF = ("float16", "bfloat16")
 _GPU = Requirements(cuda=True, min_capability=(7, 5), packages=_FI, dtypes=_HALF)
 # FlashInfer's paged prefill (FA3 on sm90 static-asserts its head size) and decode kernels: 64, 128, 256.
 _FI_ATTENTION = Requirements(cuda=True, min_capability=(7, 5), packages=_FI, dtypes=_HALF, head_dims=(64, 128, 256))
@@ -88,7 +90,7 @@ SPECS: dict[str, list[BackendSpec]] = {
     "linear": [
         BackendSpec("linear", "flashinfer", "moeserve.ops.linear:FlashInferFp8Linear",
                     Requirements(cuda=True, capabilities=((9, 0),), packages=_FI, quantization=("fp8",),
-                                 dtypes=(torch.bfloat16,)),
+                                 dtypes=("bfloat16",)),
                     "FlashInfer SM90 FP8 block-scale GEMM (fp8_blockscale_gemm_sm90), bf16 activations",
                     "moeserve.ops.linear:flashinfer_modules"),
         BackendSpec("linear", "torch", "moeserve.ops.linear:TorchLinear", Requirements(),
@@ -130,6 +132,10 @@ def _installed(pkg: str) -> bool:
     return importlib.util.find_spec(pkg) is not None
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def check(spec: BackendSpec, hw: HardwareInfo, device: torch.device, dtype: torch.dtype,
           quantization: str = "none", head_dim: int | None = None) -> str | None:
     """None when ``spec`` can run here (for a model of this ``head_dim``, when given), else why not."""
@@ -146,10 +152,10 @@ def check(spec: BackendSpec, hw: HardwareInfo, device: torch.device, dtype: torc
             return f"not on this GPU: needs {', '.join(_sm(c) for c in n.capabilities)}; this GPU is {_sm(cc)}"
         if n.min_capability is not None and cc < n.min_capability:
             return f"not on this GPU: needs {_sm(n.min_capability)} or newer; this GPU is {_sm(cc)}"
-        if dtype == torch.bfloat16 and cc < n.bf16_min_capability:
+        if _dtype_name(dtype) == "bfloat16" and cc < n.bf16_min_capability:
             return f"not on this GPU: bfloat16 needs {_sm(n.bf16_min_capability)}; this GPU is {_sm(cc)}"
-    if n.dtypes is not None and dtype not in n.dtypes:
-        return f"serves only {'/'.join(str(d).removeprefix('torch.') for d in n.dtypes)}, not {str(dtype).removeprefix('torch.')}"
+    if n.dtypes is not None and _dtype_name(dtype) not in n.dtypes:
+        return f"serves only {'/'.join(n.dtypes)}, not {_dtype_name(dtype)}"
     missing = [p for p in n.packages if not _installed(p)]
     if missing:
         return f"not installed: {', '.join(missing)}"

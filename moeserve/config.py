@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from moeserve.backends import BACKEND_NAMES, OPERATORS
+from moeserve.hub import looks_like_hub_id, model_snapshot
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -142,57 +143,78 @@ class DistributedConfig(_Strict):
 class EngineConfig(_Strict):
     """Everything that shapes one engine instance and the jobs run on it."""
 
-    model: str = "tiny"
-    weights_dir: str | None = None
-    load_format: Literal["auto", "dummy", "safetensors"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = "auto"
-    gpu_arch: str | None = None
-    quantization: Literal["none", "fp8"] = "none"
-    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
-    seed: int = 0
+    # Each field's description is the help of its command-line flag (moeserve.args derives the flags).
+    model: str = Field("tiny", description=f"the model: a preset ({', '.join(preset_names())}), a directory with config.json and *.safetensors, or a Hugging Face model id "
+                       "such as Qwen/Qwen1.5-MoE-A2.7B (fetched into the Hugging Face cache, or found there "
+                       "offline)")
+    revision: str | None = Field(None, description="the branch, tag or commit of a Hugging Face model id "
+                                 "(default: main)")
+    weights_dir: str | None = Field(None, description="read the *.safetensors weights from this directory "
+                                    "instead of the model's")
+    load_format: Literal["auto", "dummy", "safetensors"] = Field(
+        "auto", description="auto reads the model's *.safetensors files (a preset, which has none, gets random "
+        "weights); dummy draws random weights of the right shapes; safetensors insists on the files")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="model and KV-cache dtype; auto is float32 on the CPU and the checkpoint's 16-bit "
+        "type (bfloat16 unless it says float16) on a GPU")
+    device: str = Field("auto", description="auto (the first GPU, else the CPU), cpu, cuda or cuda:N")
+    gpu_arch: str | None = Field(None, description="refuse to start unless the GPU is this architecture "
+                                 "(e.g. 9.0a)")
+    quantization: Literal["none", "fp8"] = Field(
+        "none", description="fp8: 128x128 block-scaled FP8 weights (an FP8 checkpoint is read as it is, a 16-bit "
+        "one is quantised while loading); none keeps the checkpoint's format")
+    kv_cache_dtype: Literal["auto", "fp8"] = Field("auto", description="KV-cache dtype; auto is the model dtype")
+    seed: int = Field(0, description="seed of random weights and of requests sampled without their own seed")
 
-    max_num_seqs: int = Field(256, ge=1)
-    # Reuse the KV pages of prompt prefixes already computed (vLLM's automatic prefix caching, on by default)
-    enable_prefix_caching: bool = True
-    max_num_batched_tokens: int = Field(8192, ge=1)
-    max_model_len: int | None = Field(None, ge=2)
-    page_size: int = Field(16, ge=1)
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
-    kv_cache_gb: float | None = Field(None, gt=0)
-    num_kv_pages: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(256, ge=1, description="most requests running at once")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV pages of prompt prefixes already computed "
+                                        "(automatic prefix caching)")
+    max_num_batched_tokens: int = Field(8192, ge=1, description="most tokens in one step (a longer prompt is "
+                                        "prefilled in chunks)")
+    max_model_len: int | None = Field(None, ge=2, description="the longest context (prompt + output) a request "
+                                      "may reach (default: the model's max_position_embeddings)")
+    page_size: int = Field(16, ge=1, description="tokens per KV-cache page")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="the fraction of GPU memory the "
+                                          "engine may use (weights, activations and KV cache)")
+    kv_cache_gb: float | None = Field(None, gt=0, description="KV-cache size in GiB (default: what "
+                                      "gpu_memory_utilization leaves)")
+    num_kv_pages: int | None = Field(None, ge=1, description="KV-cache size in pages (overrides kv_cache_gb)")
 
-    # A kernel cache made by `moeserve precompile`: FlashInfer modules (used as FLASHINFER_WORKSPACE_BASE) and
-    # Triton kernels (its triton/ folder becomes Triton's cache).
-    kernel_cache_dir: str | None = None
-    # false: a FlashInfer module or Triton kernel missing from the kernel cache is refused by name at start (and
-    # never compiled inside a request); true: it compiles on first use, logged
-    allow_jit: bool = True
+    kernel_cache_dir: str | None = Field(
+        None, description="a kernel cache made by moeserve precompile: its FlashInfer modules (used as "
+        "FLASHINFER_WORKSPACE_BASE) and its Triton kernels (its triton/ folder becomes Triton's cache)")
+    allow_jit: bool = Field(
+        True, description="false: a FlashInfer module or Triton kernel missing from the kernel cache is refused by "
+        "name at start and never compiled inside a request; true: it compiles on first use, logged")
 
-    cuda_graph_batch_sizes: list[int] | None = None
-    enforce_eager: bool = False
-    torch_compile: bool = False
-    # Schedule and launch the next step while the GPU still runs the current one (vLLM's
-    # --async-scheduling, SGLang's overlap scheduler); its tokens reach the host one step later.
-    async_scheduling: bool = True
-    # Steps of at most this many tokens run the shared expert on a second CUDA stream, overlapped with routing
-    # and the routed experts (vLLM's VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD); 0 runs it in line.
-    shared_expert_stream_max_tokens: int = Field(256, ge=0)
-    # request defaults (temperature, top_p, top_k, min_p) from generation_config.json: "auto" reads the
-    # model directory's, "vllm" uses none, a directory reads that one's (vLLM's --generation-config)
-    generation_config: str = "auto"
+    cuda_graph_batch_sizes: list[int] | None = Field(
+        None, description="decode batch sizes to capture as CUDA graphs (default: 1 2 4 8 16 32 ... 256, up to "
+        "max_num_seqs)")
+    enforce_eager: bool = Field(False, description="run every step eagerly: no CUDA graphs")
+    torch_compile: bool = Field(False, description="torch.compile each layer's MoE block")
+    # vLLM's --async-scheduling, SGLang's overlap scheduler
+    async_scheduling: bool = Field(True, description="schedule and launch the next step while the GPU runs the "
+                                   "current one (its tokens reach the host one step later)")
+    # vLLM's VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD
+    shared_expert_stream_max_tokens: int = Field(
+        256, ge=0, description="steps of at most this many tokens run the shared expert on a second CUDA stream, "
+        "beside routing and the routed experts; 0 runs it in line")
+    generation_config: str = Field(
+        "auto", description="request defaults (temperature, top_p, top_k, min_p): auto reads the model "
+        "directory's generation_config.json, vllm uses none, a directory reads that one's")
 
     # Parallelism over the GPUs of one host (or several, launched by torchrun), as vLLM's flags: one process
-    # per GPU; attention heads, dense and shared-expert MLPs, embeddings and the LM head are split across the
-    # ranks, and the routed experts too (sharded along their intermediate size), unless enable_expert_parallel
-    # places whole experts on each rank instead.
-    tensor_parallel_size: int = Field(1, ge=1)
-    enable_expert_parallel: bool = False
-    # How an expert-parallel layer reaches the experts of other ranks: "allreduce" (every rank holds every
-    # token: local experts, then one all-reduce; vLLM's behaviour without data parallelism),
-    # "allgather_reducescatter" (each rank brings its share of the tokens: all-gather of hidden states and
-    # routing, local experts, reduce-scatter; vLLM's default all2all backend). auto: allreduce.
-    expert_parallel_dispatch: Literal["auto", "allreduce", "allgather_reducescatter"] = "auto"
+    # per GPU.
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs to split the model over (one process each): attention heads, dense and "
+        "shared-expert MLPs, embeddings, the LM head and the routed experts (along their intermediate size)")
+    enable_expert_parallel: bool = Field(
+        False, description="place whole routed experts on each tensor-parallel rank instead of slicing every expert")
+    # allreduce is vLLM's behaviour without data parallelism; allgather_reducescatter its default all2all backend
+    expert_parallel_dispatch: Literal["auto", "allreduce", "allgather_reducescatter"] = Field(
+        "auto", description="how an expert-parallel layer reaches other ranks' experts: allreduce (every rank holds "
+        "every token; local experts, one all-reduce) or allgather_reducescatter (each rank brings its share of the "
+        "tokens); auto is allreduce")
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     backends: BackendConfig = Field(default_factory=BackendConfig)
@@ -228,6 +250,8 @@ class EngineConfig(_Strict):
 
     @model_validator(mode="after")
     def _model_known(self):
+        if looks_like_hub_id(self.model) and not Path(self.model).expanduser().exists():
+            return self  # a hub id: looked up (and fetched) when the engine resolves its plan
         resolve_model_source(self.model, self.weights_dir)
         return self
 
@@ -270,31 +294,55 @@ class ModelSource(BaseModel):
     weights_dir: str | None  # directory with *.safetensors, when there are weights
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer_files(config_dir: str | None) -> bool:
+    """Whether the model's directory holds a Hugging Face tokenizer (text prompts need one)."""
+    return config_dir is not None and any((Path(config_dir) / f).is_file() for f in TOKENIZER_FILES)
+
+
 def _has_safetensors(d: Path) -> bool:
     return any(d.glob("*.safetensors"))
 
 
-def resolve_model_source(model: str, weights_dir: str | None = None) -> ModelSource:
-    """Turn ``model`` (a preset name, a directory with config.json, or a config.json path) into a ModelSource."""
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"model: {str(path)!r} is not a readable JSON file: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"model: {str(path)!r} must hold a JSON object, not {type(cfg).__name__}")
+    return cfg
+
+
+def _from_directory(name: str, d: Path, shown: str) -> ModelSource:
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"model: directory {shown!r} has no config.json")
+    return ModelSource(name=name, config=_read_config(cfg_path), config_dir=str(d),
+                       weights_dir=str(d) if _has_safetensors(d) else None)
+
+
+def resolve_model_source(model: str, weights_dir: str | None = None, revision: str | None = None) -> ModelSource:
+    """Turn ``model`` (a preset name, a directory with config.json, a config.json path, or a Hugging Face hub
+    id such as ``Qwen/Qwen1.5-MoE-A2.7B``) into a ModelSource. A hub id is looked up in the local Hugging Face
+    cache and fetched from the hub first where it can be reached (``revision``: branch, tag or commit)."""
+    p = Path(model).expanduser()
     if model in preset_names():
         cfg = json.loads((PRESET_DIR / f"{model}.json").read_text())
         src = ModelSource(name=model, config=cfg, config_dir=None, weights_dir=None)
+    elif p.is_dir():
+        src = _from_directory(p.name, p, model)
+    elif p.is_file() and p.suffix == ".json":
+        src = ModelSource(name=p.stem, config=_read_config(p), config_dir=str(p.parent), weights_dir=None)
+    elif looks_like_hub_id(model):
+        src = _from_directory(model, model_snapshot(model, revision), model)
     else:
-        p = Path(model).expanduser()
-        if p.is_dir():
-            cfg_path = p / "config.json"
-            if not cfg_path.is_file():
-                raise ValueError(f"model: directory {model!r} has no config.json")
-            cfg = json.loads(cfg_path.read_text())
-            src = ModelSource(name=p.name, config=cfg, config_dir=str(p), weights_dir=str(p) if _has_safetensors(p) else None)
-        elif p.is_file() and p.suffix == ".json":
-            cfg = json.loads(p.read_text())
-            src = ModelSource(name=p.stem, config=cfg, config_dir=str(p.parent), weights_dir=None)
-        else:
-            raise ValueError(
-                f"model: {model!r} is neither a preset ({', '.join(preset_names())}) "
-                "nor a directory with config.json nor a config.json file"
-            )
+        raise ValueError(
+            f"model: {model!r} is neither a preset ({', '.join(preset_names())}), a directory with config.json, "
+            "a config.json file nor a Hugging Face model id (org/name)"
+        )
     if weights_dir is not None:
         w = Path(weights_dir).expanduser()
         if not w.is_dir() or not _has_safetensors(w):

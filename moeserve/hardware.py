@@ -151,6 +151,10 @@ def probe() -> HardwareInfo:
     return info
 
 
+class DeviceError(RuntimeError):
+    """The device the config asks for is not here (or not usable); the message names it."""
+
+
 def resolve_device(requested: str) -> torch.device:
     """``auto`` means the first GPU when there is a usable one, else the CPU; asking for cuda without one fails."""
     hw = probe()
@@ -161,13 +165,13 @@ def resolve_device(requested: str) -> torch.device:
     dev = torch.device(requested)
     if dev.type == "cuda":
         if hw.gpu is None:
-            raise RuntimeError(f"device: {requested!r} was asked for but this machine has no CUDA GPU")
+            raise DeviceError(f"device: {requested!r} was asked for but this machine has no CUDA GPU")
         idx = dev.index or 0
         if idx >= len(hw.gpus):
-            raise RuntimeError(f"device: {requested!r} does not exist; this machine has {len(hw.gpus)} GPU(s)")
+            raise DeviceError(f"device: {requested!r} does not exist; this machine has {len(hw.gpus)} GPU(s)")
         gpu = hw.gpus[idx]
         if gpu.capability < MIN_CAPABILITY:
-            raise RuntimeError(
+            raise DeviceError(
                 f"device: {gpu.name} is {gpu.sm}; moeserve's GPU kernels need sm75 or newer")
         return torch.device("cuda", idx)
     return dev
@@ -179,4 +183,4 @@ def check_gpu_arch(expected: str | None, device: torch.device) -> None:
         return
     gpu = probe().gpus[device.index or 0]
     if expected.rstrip("af") != gpu.arch.rstrip("af"):
-        raise RuntimeError(f"gpu_arch: the config asks for {expected} but {gpu.name} is {gpu.arch}")
+        raise DeviceError(f"gpu_arch: the config asks for {expected} but {gpu.name} is {gpu.arch}")

@@ -126,7 +126,7 @@ def resolve_plan(cfg: EngineConfig, hw: HardwareInfo | None = None, device: torc
         device = torch.device("cuda", local_rank)
     if real:
         check_gpu_arch(cfg.gpu_arch, device)
-    source = source or resolve_model_source(cfg.model, cfg.weights_dir)
+    source = source or resolve_model_source(cfg.model, cfg.weights_dir, cfg.revision)
     arch = arch_from_hf(source.config)
     dtype = resolve_dtype(cfg.dtype, arch.torch_dtype, device)
     if cfg.kv_cache_dtype != "auto":

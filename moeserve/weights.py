@@ -13,15 +13,19 @@ import json
 import logging
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from moeserve.models import checkpoint_name
-from moeserve.models.layers import MoECausalLM
 from moeserve.models.parallel import Shard
+from moeserve.progress import progress_bar
 from moeserve.quant.fp8 import block_scale_shape
 from moeserve.quant.loading import SCALE_SUFFIX, Fp8Placer, is_fp8, quantize_param_
+
+if TYPE_CHECKING:  # the model's layers load torch.compile's machinery: not needed to check the files
+    from moeserve.models.layers import MoECausalLM
 
 log = logging.getLogger("moeserve")
 
@@ -38,7 +42,10 @@ def checkpoint_files(weights_dir: str | Path) -> list[Path]:
     d = Path(weights_dir)
     index = d / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+            raise WeightError(f"{index} is not a valid safetensors index: {e}") from None
         files = sorted({d / f for f in weight_map.values()})
         absent = [f.name for f in files if not f.is_file()]
         if absent:
@@ -50,46 +57,87 @@ def checkpoint_files(weights_dir: str | Path) -> list[Path]:
     return files
 
 
+def _open_shard(path: Path):
+    """``safe_open`` of one shard; a truncated or corrupt file is a WeightError naming it (safetensors reads
+    the header and checks that the data covers it)."""
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise WeightError(f"{path} is not a readable safetensors file ({e}); download it again") from None
+
+
+def check_weight_files(weights_dir: str | Path) -> list[Path]:
+    """The checkpoint's shards, each opened once to check its header: the problems a download can leave
+    (a missing shard, a truncated or corrupt file) are found before the model is built."""
+    files = checkpoint_files(weights_dir)
+    for path in files:
+        with _open_shard(path):
+            pass
+    return files
+
+
+def check_weight_source(source, load_format: str) -> bool:
+    """Whether ``source`` (a ``moeserve.config.ModelSource``) gets random weights under ``load_format``;
+    raises WeightError when it should be read from files that are not there or cannot be read."""
+    if load_format == "dummy" or (load_format == "auto" and source.config_dir is None and source.weights_dir is None):
+        return True
+    if source.weights_dir is None:
+        where = source.config_dir or source.name
+        raise WeightError(f"model {where!r} has no weight files (*.safetensors); point the model at a directory "
+                          "with the checkpoint, or ask for random weights with --load-format dummy")
+    check_weight_files(source.weights_dir)
+    return False
+
+
 @torch.no_grad()
-def load_checkpoint(model: MoECausalLM, weights_dir: str | Path) -> dict:
+def load_checkpoint(model: MoECausalLM, weights_dir: str | Path, progress: bool | None = None) -> dict:
     """Copy a safetensors checkpoint into ``model``; returns counts of what was loaded and skipped.
 
     FP8 checkpoint tensors (``float8_e4m3fn`` with a ``<name>_scale_inv`` block-scale tensor beside them) go
     into FP8 parameters as they are, or are dequantised into high-precision ones; high-precision tensors are
-    quantised on arrival into FP8 parameters (see ``moeserve.quant.loading``).
+    quantised on arrival into FP8 parameters (see ``moeserve.quant.loading``). A progress bar counts the
+    shards (``progress``: default when stderr is a terminal).
     """
     entries = model.checkpoint_entries()
     model_type = model.arch.model_type
     loaded: set[str] = set()
     unexpected: list[str] = []
     placer = Fp8Placer()
+    files = checkpoint_files(weights_dir)
     with ExitStack() as stack:
-        where = {}
-        for path in checkpoint_files(weights_dir):
-            f = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+        where, shards = {}, []
+        for path in files:
+            f = stack.enter_context(_open_shard(path))
+            shards.append((path, f))
             for name in f.keys():
                 where[name] = f
-        for name, f in where.items():
-            if name.endswith(SCALE_SUFFIX) and name[:-len(SCALE_SUFFIX)] in where:
-                continue  # read together with its weight
-            key = checkpoint_name(model_type, name)
-            entry = entries.get(key)
-            if entry is None:
-                if not key.endswith(IGNORED_SUFFIXES) and not (key == "lm_head.weight" and model.arch.tie_word_embeddings):
-                    unexpected.append(name)
-                continue
-            if entry.param is None:
-                continue  # another rank's (an expert it holds)
-            target = entry.param.data[entry.index] if entry.index else entry.param.data
-            full = tuple(f.get_slice(name).get_shape())
-            shape = _part_shape(name, full, entry.shard)
-            if shape != tuple(target.shape):
-                part = " (this rank's part)" if entry.shard is not None else ""
-                raise WeightError(f"checkpoint tensor {name!r} has shape {list(shape)}{part} but the model "
-                                  f"({model_type}) expects {list(target.shape)}")
-            _load_tensor(placer, entry, target, name, read_part(f, name, entry.shard), where, full)
-            loaded.add(key)
-            loaded.update(entry.covers)
+        advance = stack.enter_context(progress_bar("Loading safetensors shards", len(shards), enabled=progress))
+        for path, f in shards:
+            for name in f.keys():
+                if where[name] is not f or (name.endswith(SCALE_SUFFIX) and name[:-len(SCALE_SUFFIX)] in where):
+                    continue  # a duplicate read from its last shard; a scale read together with its weight
+                key = checkpoint_name(model_type, name)
+                entry = entries.get(key)
+                if entry is None:
+                    if not key.endswith(IGNORED_SUFFIXES) and not (key == "lm_head.weight" and model.arch.tie_word_embeddings):
+                        unexpected.append(name)
+                    continue
+                if entry.param is None:
+                    continue  # another rank's (an expert it holds)
+                target = entry.param.data[entry.index] if entry.index else entry.param.data
+                try:
+                    full = tuple(f.get_slice(name).get_shape())
+                    shape = _part_shape(name, full, entry.shard)
+                    if shape != tuple(target.shape):
+                        part = " (this rank's part)" if entry.shard is not None else ""
+                        raise WeightError(f"checkpoint tensor {name!r} has shape {list(shape)}{part} but the model "
+                                          f"({model_type}) expects {list(target.shape)}")
+                    _load_tensor(placer, entry, target, name, read_part(f, name, entry.shard), where, full)
+                except SafetensorError as e:
+                    raise WeightError(f"{path}: cannot read tensor {name!r} ({e}); download it again") from None
+                loaded.add(key)
+                loaded.update(entry.covers)
+            advance()
     required = {name for name, e in entries.items() if not e.covers and e.param is not None}
     missing = sorted(required - loaded)
     if missing:
@@ -166,15 +214,11 @@ def load_weights(model: MoECausalLM, source, load_format: str, seed: int = 0) ->
 
     ``auto`` reads the checkpoint when the model has weight files and draws random weights for a preset
     (which has none by design); a model directory without weight files is refused, not filled with random
-    weights, unless ``load_format: dummy`` asks for them.
+    weights, unless ``load_format: dummy`` asks for them (``check_weight_source``).
     """
-    if load_format == "dummy" or (load_format == "auto" and source.config_dir is None and source.weights_dir is None):
+    if check_weight_source(source, load_format):
         init_dummy(model, seed=seed)
         return "dummy"
-    if source.weights_dir is None:
-        where = source.config_dir or source.name
-        raise WeightError(f"model {where!r} has no weight files (*.safetensors); point --model at a directory with "
-                          "the checkpoint, or ask for random weights with --load-format dummy")
     load_checkpoint(model, source.weights_dir)
     return "safetensors"
 

@@ -41,16 +41,16 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quick", action="store_true",
                    help="1 timed run after 1 warm-up, only the lowest and highest concurrency")
     g.add_argument("--skip-vllm", action="store_true", help="moeserve only")
-    g.add_argument("--only", choices=("moeserve", "vllm"), help="run only this engine")
+    g.add_argument("--only", choices=("moeserve", "vllm"), help="run only this engine (default: both)")
     g.add_argument("--vllm-config", action="append", default=[], metavar="NAME",
                    help="vLLM configuration to run (repeatable; default: bench.vllm.configs). Known: default, "
                         "flashinfer, flashinfer-attention, triton-moe")
     g.add_argument("--time-budget", type=float, metavar="SECONDS",
                    help="finish within this many seconds: vLLM start timeouts are cut to what is left, and a "
-                        "configuration that cannot start in time is reported as unavailable")
+                        "configuration that cannot start in time is reported as unavailable (default: no limit)")
     g.add_argument("--output-dir", metavar="DIR", help="write here (default: bench.output_dir/<timestamp>)")
     g.add_argument("--merge", action="append", default=[], metavar="RESULT.json",
-                   help="add the engines of an earlier result file (same workloads) to this report")
+                   help="add the engines of an earlier result file (same workloads) to this report (repeatable)")
     g.add_argument("--vllm-together", action="store_true",
                    help="start every vLLM configuration at once (GPU memory split between them) and run their "
                         "workloads one engine at a time: the start-ups overlap, the timed runs do not")
@@ -64,9 +64,9 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quick", action="store_true", help="lowest and highest batch size only")
     g.add_argument("--batch-sizes", type=int, nargs="+", metavar="N", help="decode batch sizes (default: "
                    "bench.concurrency)")
-    g.add_argument("--time-budget", type=float, metavar="SECONDS", help="skip kernels not started by then")
+    g.add_argument("--time-budget", type=float, metavar="SECONDS", help="skip kernels not started by then (default: no limit)")
     g.add_argument("--kernels", metavar="REGEX", help="run only the kernels whose name matches (case-insensitive "
-                   "search, e.g. 'mixed' or 'decode'); the others are listed as skipped")
+                   "search, e.g. 'mixed' or 'decode'); the others are listed as skipped (default: all)")
     g.add_argument("--allow-slow-jit", action="store_true",
                    help="also run kernels whose FlashInfer module is not built yet and takes many minutes to "
                         "compile (the CUTLASS fused MoE)")
@@ -74,8 +74,7 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers, name: str, help_text: str) -> None:
-    p = subparsers.add_parser(name, help=help_text, description=__doc__.split("\n\n")[1],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(name, help=help_text, description=__doc__.split("\n\n")[1])
     add_offline_args(p)
     p.set_defaults(func=run_offline)
     modes = p.add_subparsers(dest="bench_mode", metavar="MODE", title="modes (default: run)")
@@ -223,17 +222,28 @@ def shared_weights_note(cfg: EngineConfig, source) -> str:
     return "shared-checkpoint" if source.weights_dir is not None and cfg.load_format != "dummy" else "dummy"
 
 
+def _workloads(engine: dict) -> list[str]:
+    return list(dict.fromkeys(r["workload"] for r in engine.get("results", [])))
+
+
 def _merge(result: dict, others: list[tuple[str, dict]], log) -> None:
     for p, other in others:
         ours, theirs = result["config"]["bench"], other.get("config", {}).get("bench", {})
         same = all(ours.get(k) == theirs.get(k) for k in ("prompt_len", "output_len"))
-        labels = {e["label"] for e in result["engines"]}
+        by_label = {e["label"]: e for e in result["engines"]}
         for e in other.get("engines", []):
-            e = dict(e, label=e["label"] if e["label"] not in labels else f"{e['label']} ({Path(p).stem})")
-            e["notes"] = list(e.get("notes", [])) + [f"merged from {p}" + ("" if same else
-                                                     " (its prompt/output lengths differ from this run's)")]
+            note = f"merged from {p}" + ("" if same else " (its prompt/output lengths differ from this run's)")
+            mine = by_label.get(e["label"])
+            if mine is not None and mine.get("available", True) and e.get("available", True) and not (
+                    {r["workload"] for r in mine.get("results", [])} & {r["workload"] for r in e.get("results", [])}):
+                # the same engine measured on other workloads (e.g. in another call): one engine, more rows
+                mine["results"] = list(mine.get("results", [])) + list(e.get("results", []))
+                mine["notes"] = list(mine.get("notes", [])) + [f"{note}: {', '.join(_workloads(e))}"]
+                continue
+            e = dict(e, label=e["label"] if mine is None else f"{e['label']} ({Path(p).stem})")
+            e["notes"] = list(e.get("notes", [])) + [note]
             result["engines"].append(e)
-            labels.add(e["label"])
+            by_label[e["label"]] = e
         log(f"merged {len(other.get('engines', []))} engine(s) from {p}")
 
 

@@ -11,7 +11,7 @@ import time
 import traceback
 from typing import Callable
 
-from moeserve.bench.workloads import WorkloadCase, run_case
+from moeserve.bench.workloads import CellClock, WorkloadCase, run_case
 from moeserve.config import EngineConfig
 
 
@@ -97,9 +97,12 @@ def run_moeserve(cfg: EngineConfig, cases: list[WorkloadCase], runs: int, warmup
     vocab = engine.arch.vocab_size
     results: list[dict] = []
     failure = None
+    clock = CellClock(len(cases))
     for case in cases:
+        log("moeserve: " + clock.start_line(case))
         try:
             results.append(run_case(adapter, case, vocab, runs, warmup_runs, log=lambda s: log("moeserve: " + s)))
+            clock.finished()
         except Exception as e:
             failure = f"{case.workload} c={case.concurrency} failed: {type(e).__name__}: {e}"
             log("moeserve: " + failure)

@@ -47,8 +47,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default greedy)")
     p.add_argument("--backend-name", choices=["moeserve", "vllm"], default="moeserve",
                    help="which server this is (the engine entry's name)")
-    p.add_argument("--label", default=None, help="engine label, to tell runs apart in `moeserve compare`")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (or OPENAI_API_KEY)")
+    p.add_argument("--label", default=None, help="engine label, to tell runs apart in moeserve compare (default: --backend-name)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the server")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--out", "--output-dir", dest="out", default="bench-results", help="directory for the result files")
@@ -215,7 +215,8 @@ async def _get_json(client, url: str, headers: dict) -> dict | None:
 
 
 async def _bench(args) -> dict:
-    import httpx
+    from moeserve.deps import require
+    httpx = require("httpx", "moeserve bench online")
 
     base = args.url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

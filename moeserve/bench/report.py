@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -234,7 +235,8 @@ def write_plots(result: dict, out_dir: Path, stem: str) -> dict[str, str]:
     rows = [(e, r) for e in _engines(result) for r in e.get("results", []) if r.get("concurrency") is not None]
     if not rows:
         return {}
-    import matplotlib
+    from moeserve.deps import require
+    matplotlib = require("matplotlib", "the benchmark's plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     workloads = list(dict.fromkeys(r.get("workload") for _, r in rows))
@@ -290,7 +292,11 @@ def write_result(result: dict, out_dir, stem: str = "result") -> dict[str, str]:
     print_result(result, console)
     Path(paths["text"]).write_text(console.export_text())
     if result.get("kind") != "kernels" and result.get("config", {}).get("bench", {}).get("plots", True):
-        paths.update(write_plots(result, out, stem))
+        from moeserve.deps import MissingDependency
+        try:
+            paths.update(write_plots(result, out, stem))
+        except MissingDependency as e:  # the tables and JSON stand without the plots
+            print(f"bench: no plots: {e}", file=sys.stderr, flush=True)
     return paths
 
 

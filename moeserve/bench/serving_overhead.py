@@ -31,6 +31,7 @@ from pathlib import Path
 
 from moeserve.args import add_config_args, config_from_args
 from moeserve.bench import online
+from moeserve.deps import require
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -43,7 +44,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-warmups", type=int, default=None, help="untimed requests per level (default C)")
     g.add_argument("--prompt-seed", dest="prompt_seed", type=int, default=0, help="seed of the random prompts")
     g.add_argument("--vllm-url", default=None, help="also load this vLLM server (same checkpoint), e.g. "
-                   "http://127.0.0.1:8100")
+                   "http://127.0.0.1:8100 (default: moeserve only)")
     g.add_argument("--vllm-model", default=None, help="model name the vLLM server serves (default: its first)")
     g.add_argument("--server-timeout", type=float, default=1800.0, help="seconds to wait for moeserve serve")
     g.add_argument("--out", default="bench-results", help="directory for the result file")
@@ -136,7 +137,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 async def _online_levels(args, url: str, model: str | None, backend: str, levels) -> list[dict]:
-    import httpx
+    httpx = require("httpx", "moeserve bench serving")
     ns = argparse.Namespace(output_len=args.output_len, temperature=0.0, input_len=args.input_len,
                             num_prompts=None, num_warmups=None, seed=args.prompt_seed, request_rate=float("inf"),
                             burstiness=1.0)

@@ -48,7 +48,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--modes", default=",".join(MODES), help=f"which starts, in order (default {','.join(MODES)})")
     g.add_argument("--skip-vllm", action="store_true", help="no vLLM rows")
     g.add_argument("--timeout", type=float, default=900.0, metavar="S", help="per start (default 900)")
-    g.add_argument("--time-budget", type=float, metavar="S", help="stop starting new modes after this many seconds")
+    g.add_argument("--time-budget", type=float, metavar="S", help="stop starting new modes after this many seconds (default: no limit)")
     g.add_argument("--prompt-len", type=int, default=16, help="prompt tokens of each request (default 16)")
     g.add_argument("--concurrency", default="1,8,32", metavar="C,...",
                    help="batch sizes whose first-request TTFT is compared with the steady state (default 1,8,32)")
@@ -58,7 +58,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-temp", action="store_true", help="keep the per-mode cache directories")
     g.add_argument("--merge", action="append", default=[], metavar="STARTUP.json",
                    help="put the rows of an earlier startup result (or startup.partial.json) first, e.g. to join "
-                        "runs made in separate calls")
+                        "runs made in separate calls (repeatable)")
 
 
 def prompt_ids(n: int, vocab: int) -> list[int]:

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used: moeserve's argument parser reads this module's add_args
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ def is_norm_module(module: torch.nn.Module) -> bool:
 
 
 def _scale_of(module: torch.nn.Module, name: str) -> torch.nn.Parameter | None:
+    import torch
     for suffix in _SCALE_SUFFIXES:
         p = getattr(module, name + suffix, None)
         if isinstance(p, torch.Tensor):
@@ -46,16 +49,19 @@ def _scale_of(module: torch.nn.Module, name: str) -> torch.nn.Parameter | None:
 
 
 def _is_scale(module: torch.nn.Module, name: str) -> bool:
+    import torch
     for suffix in _SCALE_SUFFIXES:
         if name.endswith(suffix) and isinstance(getattr(module, name[:-len(suffix)], None), torch.Tensor):
             return True
     return False
 
 
-@torch.no_grad()
 def _fill_fp8(p: torch.Tensor, scale: torch.Tensor | None, std: float, gen: torch.Generator) -> bool:
     """Draw ``p`` in bf16, quantise it with 128x128 block scales into ``p`` and ``scale``; False when the
-    scale's shape is not the block layout (the caller then leaves the tensor to vLLM's own rule)."""
+    scale's shape is not the block layout (the caller then leaves the tensor to vLLM's own rule); runs
+    under the caller's no_grad."""
+    import torch
+
     from moeserve.quant.fp8 import block_scale_shape, block_quant_fp8
     if scale is None or p.dim() < 2 or not (p.is_contiguous() and scale.is_contiguous()):
         return False
@@ -71,12 +77,18 @@ def _fill_fp8(p: torch.Tensor, scale: torch.Tensor | None, std: float, gen: torc
     return True
 
 
-@torch.no_grad()
 def init_like_moeserve(model: torch.nn.Module, model_config=None, *args, seed: int = 0, **kwargs) -> None:
     """moeserve's dummy rule on a vLLM module tree: norm weights 1, biases 0 (``e_score_correction_bias``
     too), FP8 weights drawn in bf16 and block-quantised with their ``*_scale_inv``, everything else
     N(0, ``initializer_range``). vLLM calls the initializer on every module of the model in turn; a
     parameter is drawn once. Returns the replaced initializer's signature's ``None``."""
+    import torch
+    with torch.no_grad():
+        _init_like_moeserve(model, model_config, seed)
+
+
+def _init_like_moeserve(model: torch.nn.Module, model_config, seed: int) -> None:
+    import torch
     hf = getattr(model_config, "hf_config", None)
     std = float(getattr(hf, "initializer_range", None) or 0.02)
     gens: dict[torch.device, torch.Generator] = {}

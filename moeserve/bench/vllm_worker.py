@@ -19,7 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
-from moeserve.bench.workloads import WorkloadCase, run_case
+from moeserve.bench.workloads import CellClock, WorkloadCase, run_case
 
 
 def write_state(path: Path, state: dict) -> None:
@@ -141,8 +141,10 @@ def run(spec: dict, out: Path) -> int:
         while not Path(gate).exists():
             time.sleep(0.2)
     adapter = VllmAdapter(engine, SamplingParams)
+    clock = CellClock(len(spec["cases"]))
     for case_dict in spec["cases"]:
         case = WorkloadCase(**case_dict)
+        say(f"vllm:{name}: {clock.start_line(case)}")
         try:
             row = run_case(adapter, case, spec["vocab_size"], spec["runs"], spec["warmup_runs"],
                            log=lambda s: say(f"vllm:{name}: {s}"))
@@ -151,6 +153,7 @@ def run(spec: dict, out: Path) -> int:
             state["traceback"] = traceback.format_exc(limit=12)
             say(f"vllm:{name}: {state['notes'][-1]}")
             break
+        clock.finished()
         state["results"].append(row)
         write_state(out, state)
     state["status"] = "done"

@@ -264,6 +264,39 @@ def summarize(case: WorkloadCase, runs: list[dict]) -> dict:
     return row
 
 
+def _duration(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+class CellClock:
+    """The time spent on a list of cells and an estimate of what is left: the mean time of the cells done,
+    times the cells to go (``cell 3/12 decode c=8: 1 min 02 s elapsed, about 3 min 06 s left``)."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+        self.t0 = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def remaining(self) -> float | None:
+        return None if self.done == 0 else self.elapsed() / self.done * (self.total - self.done)
+
+    def start_line(self, case: "WorkloadCase") -> str:
+        left = self.remaining()
+        eta = "estimating the time left" if left is None else f"about {_duration(left)} left"
+        return (f"cell {self.done + 1}/{self.total} {case.workload} c={case.concurrency}: "
+                f"{_duration(self.elapsed())} elapsed, {eta}")
+
+    def finished(self) -> None:
+        self.done += 1
+
+
 def run_case(adapter: EngineAdapter, case: WorkloadCase, vocab_size: int, runs: int, warmup_runs: int,
              log: Callable[[str], None] = lambda s: None) -> dict:
     """Warm up, then time ``runs`` runs of one cell; returns the result row."""

@@ -24,7 +24,7 @@ from moeserve.engine.runner import ModelRunner
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.engine.scheduler import Scheduler
 from moeserve.engine.sequence import Sequence
-from moeserve.engine.tokenizer import TOKENIZER_FILES, load_tokenizer  # noqa: F401
+from moeserve.engine.tokenizer import load_tokenizer
 from moeserve.plan import resolve_plan
 
 log = logging.getLogger("moeserve")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from moeserve.config import EngineConfig, make_config
@@ -10,13 +11,15 @@ from moeserve.engine.requests import RequestError
 from moeserve.engine.outputs import RequestOutput
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.engine.tokenizer import apply_chat_template, generation_defaults, load_chat_template
+from moeserve.progress import progress_bar
 
 
 class LLM:
     """An engine for offline batches.
 
     ``LLM(model="tiny")`` runs the embedded tiny model; ``model`` may also be a preset name, a directory
-    holding config.json (and safetensors and a tokenizer), or a config.json path. Other keyword
+    holding config.json (and safetensors and a tokenizer), a config.json path, or a Hugging Face model id
+    (``Qwen/Qwen1.5-MoE-A2.7B``: fetched into the Hugging Face cache, or found there offline). Other keyword
     arguments are engine config fields (``max_num_seqs=8``, ``backends={"moe": "triton"}``, ...).
     """
 
@@ -54,9 +57,12 @@ class LLM:
                            f"got {type(prompt).__name__}")
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """One output per prompt, in order. Every prompt is checked before any is queued, so a bad one
-        raises ``RequestError`` naming its index and the engine is left as it was."""
+        raises ``RequestError`` naming its index and the engine is left as it was.
+
+        ``use_tqdm`` shows a progress bar of finished requests with the input and output throughput, as
+        vLLM's does, when stderr is a terminal (a pipe, a log file or a test's captured output gets none)."""
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
         if sampling_params is None:
@@ -81,25 +87,23 @@ class LLM:
                 sub = sp if sp.n == 1 else dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
                 subs.append(engine.add_request(ids, sub, cache_salt=salt))
             groups.append((text, subs))
-        bar = None
-        if use_tqdm:
-            from rich.progress import Progress
-            bar = Progress(transient=True)
-            bar.start()
-            task = bar.add_task("generating", total=sum(len(s) for _, s in groups))
-        try:
+        total = sum(len(s) for _, s in groups)
+        with progress_bar("Processed prompts", total, fields={"speed": ""}, show_fields="{task.fields[speed]}",
+                          enabled=None if use_tqdm else False) as advance:
+            t0 = time.perf_counter()
             pending = {s.request_id for _, subs in groups for s in subs}
+            prompt_tokens = output_tokens = 0
             while pending:
                 for seq in engine.step():
                     if seq.is_finished and seq.request_id in pending:
                         pending.discard(seq.request_id)
-                        if bar is not None:
-                            bar.update(task, advance=1)
+                        prompt_tokens += seq.num_prompt_tokens
+                        output_tokens += seq.num_generated
+                        dt = max(time.perf_counter() - t0, 1e-9)
+                        advance(speed=f"input: {prompt_tokens / dt:,.2f} toks/s, output: {output_tokens / dt:,.2f} "
+                                "toks/s")
                 if not engine.has_unfinished() and pending:
                     raise RuntimeError(f"requests {sorted(pending)} were dropped by the scheduler")
-        finally:
-            if bar is not None:
-                bar.stop()
         results = []
         for text, subs in groups:
             outs = [engine.output(s, text, index=j) for j, s in enumerate(subs)]

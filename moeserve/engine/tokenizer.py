@@ -8,9 +8,9 @@ import logging
 from collections import OrderedDict
 from pathlib import Path
 
-log = logging.getLogger("moeserve")
+from moeserve.config import has_tokenizer_files
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+log = logging.getLogger("moeserve")
 
 # generation_config.json keys applied as request defaults (vLLM's --generation-config auto) -> SamplingParams
 GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p"}
@@ -18,7 +18,7 @@ UNSUPPORTED_GENERATION_KEYS = ("repetition_penalty",)
 
 
 def load_tokenizer(config_dir: str | None):
-    if config_dir is None or not any((Path(config_dir) / f).is_file() for f in TOKENIZER_FILES):
+    if not has_tokenizer_files(config_dir):
         return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(config_dir)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moeserve.ops.moe.routing import RoutingConfig
+from moeserve.ops.moe.routing_config import RoutingConfig
 
 
 @dataclass(frozen=True)

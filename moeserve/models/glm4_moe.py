@@ -11,7 +11,7 @@ full checkpoints carry after the last decoder layer is not used.
 from __future__ import annotations
 
 from moeserve.models.arch import ArchConfig, common_fields, partial_rotary_factor, sparse_layers
-from moeserve.ops.moe.routing import RoutingConfig
+from moeserve.ops.moe.routing_config import RoutingConfig
 
 # transformers' Glm4MoeConfig fills partial_rotary_factor with 0.5 when a config leaves it out.
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5

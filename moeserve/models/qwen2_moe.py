@@ -3,7 +3,7 @@ default, and a shared expert gated by ``sigmoid(x . w)``."""
 from __future__ import annotations
 
 from moeserve.models.arch import ArchConfig, common_fields, sparse_layers
-from moeserve.ops.moe.routing import RoutingConfig
+from moeserve.ops.moe.routing_config import RoutingConfig
 
 
 def arch_config(hf: dict) -> ArchConfig:

@@ -3,7 +3,7 @@ over the chosen experts (``norm_topk_prob``), no shared expert."""
 from __future__ import annotations
 
 from moeserve.models.arch import ArchConfig, common_fields, sparse_layers
-from moeserve.ops.moe.routing import RoutingConfig
+from moeserve.ops.moe.routing_config import RoutingConfig
 
 
 def arch_config(hf: dict) -> ArchConfig:

@@ -23,19 +23,25 @@ log = logging.getLogger("moeserve.server")
 def register(subparsers, name: str, help: str) -> None:
     from moeserve.args import add_config_args
 
-    p = subparsers.add_parser(name, help=help, description="Serve the configured model over an OpenAI-compatible "
-                              "HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).")
-    add_config_args(p)
+    p = subparsers.add_parser(name, help=help, description="Serve MODEL over an OpenAI-compatible HTTP API "
+                              "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics): "
+                              "moeserve serve Qwen/Qwen1.5-MoE-A2.7B --port 8000")
+    add_config_args(p, positional_model=True)
     g = p.add_argument_group("server (flags override the config's server section)")
-    g.add_argument("--host", default=None, help="address to bind (config server.host, default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=None, help="port (config server.port, default 8000; 0 = any free)")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    g.add_argument("--host", default=None, help="address to listen on (default: config server.host, 127.0.0.1)")
+    g.add_argument("--port", type=int, default=None, help="port to listen on; 0 takes any free port (default: "
+                   "config server.port, 8000)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes "
+                   "(default: none)")
+    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL as "
+                   "given)")
     g.add_argument("--max-queue-len", type=int, default=None,
-                   help="answer 503 once this many requests wait (config server.max_queue_len, default 256)")
+                   help="answer 503 once this many requests wait (default: config server.max_queue_len, 256)")
+    g.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (default: warning)")
     g.add_argument("--chat-template", default=None, help="a Jinja chat template, inline or a file (default: the "
                    "tokenizer's)")
-    g.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level (default warning)")
     p.set_defaults(func=run_serve)
 
 
@@ -190,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m moeserve.server.cli [serve flags]``: the serve command on its own."""
     from moeserve.config import ConfigError
 
-    parser = argparse.ArgumentParser(prog="moeserve")
+    from moeserve.args import ArgumentParser
+
+    parser = ArgumentParser(prog="moeserve")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub, "serve", "OpenAI-compatible HTTP server")
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])

@@ -42,18 +42,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="modules built at once (default: up to --jobs / 2)")
     g.add_argument("--modules", default=None, metavar="NAME,...",
                    help="only these modules of the config (prefill, decode, page, norm, rope, silu_and_mul, sampling, "
-                        "fused_moe, ...)")
+                        "fused_moe, ...) (default: all of them)")
     g.add_argument("--cuda-include", action="append", default=[], metavar="DIR",
-                   help="a directory with cublasLt.h / curand_kernel.h when the CUDA toolkit lacks them")
+                   help="a directory with cublasLt.h / curand_kernel.h when the CUDA toolkit lacks them (repeatable)")
     g.add_argument("--force", action="store_true", help="rebuild modules that are already cached")
     g.add_argument("--adopt-existing", action="store_true",
                    help="take a module's .so already in --out (built by plain FlashInfer, without a manifest) as "
                         "cached, instead of letting ninja decide; its build flags may differ from this run's")
     g.add_argument("--export", metavar="DIR",
                    help="also copy just the manifest and the .so files to DIR: a small kernel cache to ship to the "
-                        "GPU machine (the build tree keeps object files and sources too)")
+                        "GPU machine (the build tree keeps object files and sources too) (default: no export)")
     g.add_argument("--dry-run", action="store_true", help="list the modules and their cache status; build nothing")
-    g.add_argument("--timeout", type=float, default=None, metavar="S", help="give up after this many seconds")
+    g.add_argument("--timeout", type=float, default=None, metavar="S", help="give up after this many seconds (default: no limit)")
     g.add_argument("--no-triton", action="store_true", help="build the FlashInfer modules only, not the Triton kernels")
     g.add_argument("--target-python", metavar="X.Y", default=None,
                    help="the Python version of the GPU machine (Triton's cache keys depend on it; default: this one)")

@@ -107,6 +107,26 @@ def test_merge_adds_engines_of_an_earlier_result(bench_dir, tmp_path):
     assert merged["results"] and any("merged from" in n for n in merged["notes"])
 
 
+def test_merge_joins_one_engine_measured_on_other_workloads(bench_dir, tmp_path):
+    whole = json.loads((bench_dir / "result.json").read_text())
+    ours = next(e for e in whole["engines"] if e["label"] == "moeserve")
+    assert len({r["workload"] for r in ours["results"]}) > 1
+    parts = []
+    for i, keep in enumerate((lambda w: w == "decode", lambda w: w != "decode")):
+        part = json.loads(json.dumps(whole))
+        part["engines"] = [dict(ours, results=[r for r in ours["results"] if keep(r["workload"])])]
+        (tmp_path / f"p{i}.json").write_text(json.dumps(part))
+        parts += ["--merge", str(tmp_path / f"p{i}.json")]
+    out = tmp_path / "joined"
+    assert main(["bench", *TINY, "--only", "vllm", "--vllm-config", "default", *parts, "--output-dir", str(out)]) == 0
+    engines = _result(out)["engines"]
+    assert [e["label"] for e in engines] == ["vllm:default", "moeserve"]
+    joined = engines[1]
+    key = lambda r: (r["workload"], r.get("concurrency"))  # noqa: E731
+    assert sorted(map(key, joined["results"])) == sorted(map(key, ours["results"]))
+    assert sum("merged from" in n for n in joined["notes"]) >= 2
+
+
 def test_bench_kernels_on_cpu_lists_every_kernel_as_skipped(tmp_path, capsys):
     assert main(["bench", "kernels", "--model", "tiny", "--output-dir", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "kernels.json").read_text())

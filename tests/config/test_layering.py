@@ -10,7 +10,8 @@ ROOT = Path(moeserve.__file__).resolve().parent
 
 # Lowest first; a module may import modules of its own layer or of a lower one.
 LAYERS = [
-    ("config", ["moeserve", "moeserve.config", "moeserve.hardware", "moeserve.backends", "moeserve.args"]),
+    ("config", ["moeserve", "moeserve.deps", "moeserve.config", "moeserve.hardware", "moeserve.backends", "moeserve.args",
+                "moeserve.hub", "moeserve.progress"]),
     ("quant", ["moeserve.quant"]),
     ("kernel-cache runtime", ["moeserve.kernel_cache"]),
     ("ops", ["moeserve.ops"]),
@@ -18,7 +19,7 @@ LAYERS = [
     ("weights and plan", ["moeserve.weights", "moeserve.plan"]),
     ("engine", ["moeserve.engine"]),
     ("server, bench, tools", ["moeserve.server", "moeserve.bench", "moeserve.tools"]),
-    ("cli", ["moeserve.cli"]),
+    ("cli", ["moeserve.cli", "moeserve.preflight"]),
 ]
 
 

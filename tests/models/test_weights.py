@@ -68,6 +68,20 @@ def test_index_naming_absent_shard(tmp_path):
         LLM(model=str(tmp_path))
 
 
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_a_truncated_or_corrupt_shard_is_named_before_the_model_is_built(tmp_path, damage):
+    from moeserve.config import resolve_model_source
+    from moeserve.weights import check_weight_source
+    make_checkpoint("qwen2_moe", tmp_path)
+    shard = next(tmp_path.glob("*.safetensors"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) // 2] if damage == "truncate" else b"not a checkpoint" * 4)
+    with pytest.raises(WeightError, match=f"{shard} is not a readable safetensors file"):
+        check_weight_source(resolve_model_source(str(tmp_path)), "auto")
+    with pytest.raises(WeightError, match=f"{shard} is not a readable safetensors file"):
+        LLM(model=str(tmp_path))
+
+
 def test_a_directory_without_weights_is_refused_unless_dummy_weights_are_asked_for(tmp_path):
     make_checkpoint("qwen2_moe", tmp_path / "c")
     (tmp_path / "config.json").write_text((tmp_path / "c" / "config.json").read_text())
@@ -91,3 +105,16 @@ def test_dummy_weights_have_unit_norms_zero_biases_and_initializer_range_matrice
     experts = [p for n, p in params.items() if p.dim() == 3]
     assert experts and all(abs(p.std().item() - model.arch.initializer_range) < 0.1 * model.arch.initializer_range
                            for p in experts)
+
+
+def test_loading_counts_the_shards_on_a_progress_bar(tmp_path, capsys):
+    from moeserve.config import make_config
+    from moeserve.engine.engine import LLMEngine
+    from moeserve.weights import load_checkpoint
+    make_checkpoint("qwen2_moe", tmp_path / "one").save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    shards = len(list((tmp_path / "sharded").glob("*.safetensors")))
+    model = LLMEngine(make_config(model=str(tmp_path / "sharded"), dtype="float32"), capture_graphs=False).runner.model
+    assert "Loading safetensors shards" not in capsys.readouterr().err  # stderr is no terminal here: no bar
+    load_checkpoint(model, tmp_path / "sharded", progress=True)
+    err = capsys.readouterr().err
+    assert "Loading safetensors shards" in err and f"{shards}/{shards}" in err

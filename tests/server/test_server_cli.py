@@ -78,7 +78,7 @@ def test_a_port_in_use_is_one_line_before_anything_loads(model_dir):
         t0 = time.monotonic()
         r = subprocess.run(serve_cmd(model_dir, "--port", str(port)), capture_output=True, text=True, timeout=120)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert r.returncode == 1
+    assert r.returncode == 2  # a user error, as every other (moeserve.cli)
     assert len(lines) == 1 and "already in use" in lines[0] and str(port) in lines[0], r.stderr
     assert "Traceback" not in r.stderr and "starting the engine" not in r.stdout, "failed before loading the model"
     assert time.monotonic() - t0 < 60

@@ -20,27 +20,13 @@ is refused), and ``torch`` keeps the torch functions here, which stay the refere
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from moeserve.ops.interfaces import RoutingBackend
+from moeserve.ops.moe.routing_config import RoutingConfig  # noqa: F401  (its home before; imported from here)
 
 log = logging.getLogger("moeserve")
-
-
-@dataclass(frozen=True)
-class RoutingConfig:
-    method: str = "softmax"  # softmax | deepseek_v3 | llama4
-    top_k: int = 2
-    renormalize: bool = False
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-
-    def __post_init__(self):
-        if self.method not in ("softmax", "deepseek_v3", "llama4"):
-            raise ValueError(f"routing method {self.method!r} is not one of softmax, deepseek_v3, llama4")
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,21 @@
+"""Running the real command line in a subprocess, with this checkout's moeserve on its path."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli_env(**extra) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env.update(extra)
+    return env
+
+
+def run_cli(args, env=None, timeout=180) -> subprocess.CompletedProcess:
+    """``python -m moeserve.cli ARGS``, its output captured."""
+    return subprocess.run([sys.executable, "-m", "moeserve.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env or cli_env())
