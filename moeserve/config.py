@@ -174,8 +174,9 @@ class EngineConfig(_Strict):
     max_model_len: int | None = Field(None, ge=2, description="the longest context (prompt + output) a request "
                                       "may reach (default: the model's max_position_embeddings)")
     page_size: int = Field(16, ge=1, description="tokens per KV-cache page")
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="the fraction of GPU memory the "
-                                          "engine may use (weights, activations and KV cache)")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="the fraction of the GPU's memory "
+                                          "this engine may use (weights, activations and KV cache); memory other "
+                                          "processes hold is not counted against it, as in vLLM")
     kv_cache_gb: float | None = Field(None, gt=0, description="KV-cache size in GiB (default: what "
                                       "gpu_memory_utilization leaves)")
     num_kv_pages: int | None = Field(None, ge=1, description="KV-cache size in pages (overrides kv_cache_gb)")

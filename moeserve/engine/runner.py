@@ -53,6 +53,14 @@ class LaunchedStep:
     prompt_logprobs: PromptLogprobs | None = None  # host copies, for the prefill chunks that asked
 
 
+def kv_budget_bytes(utilization: float, total: int, free_at_start: int, free_now: int, activation_peak: int) -> int:
+    """Bytes the KV cache may take: ``utilization`` of the GPU for this engine (weights, activations, cache),
+    counting only what this engine allocated since it started, as vLLM does, so another process on the GPU
+    does not shrink it; never more than is free now."""
+    used_by_engine = free_at_start - free_now
+    return int(min(utilization * total - used_by_engine, free_now) - activation_peak)
+
+
 class ModelRunner:
     def __init__(self, plan: RuntimePlan):
         t_start = time.perf_counter()
@@ -63,8 +71,10 @@ class ModelRunner:
         self.parallel = plan.parallel
         self.num_heads, self.num_kv_heads, _ = local_heads(self.arch, self.parallel)  # this rank's
         self.copies_tokens = True  # copy sampled tokens to the host (ranks other than 0 have no use for them)
+        self.free_at_start = 0
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            self.free_at_start = torch.cuda.mem_get_info(self.device)[0]  # before this engine allocates
         self.kernel_cache = prepare_kernels(plan)
         self.backend_names = plan.backend_names
         self.ops = self._build_ops()
@@ -149,8 +159,9 @@ class ModelRunner:
         elif self.device.type == "cuda":
             self.activation_peak_bytes = self._profile_activations()
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = cfg.gpu_memory_utilization * total - (total - free) - self.activation_peak_bytes
-            pages = int(budget) // per_page
+            budget = kv_budget_bytes(cfg.gpu_memory_utilization, total, self.free_at_start, free,
+                                     self.activation_peak_bytes)
+            pages = max(0, int(budget) // per_page)
         else:
             wanted = cfg.max_num_seqs * self.max_pages_per_seq + 1
             pages = min(wanted, CPU_KV_BUDGET_BYTES // per_page)
