@@ -67,7 +67,8 @@ def check(logits, weights, ids, method, k, renormalize):
     w_ref, ids_ref = reference(logits.float(), method, k, renormalize)
     top = logits.float().sort(-1, descending=True).values
     clear = (top[:, k - 1] - top[:, k] > TIE_GAP) if k < logits.shape[1] else torch.ones(t, dtype=torch.bool)
-    assert clear.float().mean() > 0.5, "the random logits should mostly have a clear k-th expert"
+    # a guard against a vacuous check; one or a few rows may tie by chance (bf16 has 8 bits of mantissa)
+    assert t < 16 or clear.float().mean() > 0.5, "the random logits should mostly have a clear k-th expert"
     assert torch.equal(ids.sort(-1).values[clear], ids_ref.sort(-1).values[clear]), f"seed {SEED}: other experts"
     if k > 1:  # the kernel orders its choice by logit, like torch.topk
         first = clear & (top[:, 0] - top[:, 1] > TIE_GAP)
