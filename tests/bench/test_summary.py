@@ -49,3 +49,16 @@ def test_the_readme_block_is_replaced_and_nothing_else(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["weights"] == "shared-checkpoint"
     with pytest.raises(ValueError, match="results-table"):
         replace_block("no markers", "x")
+
+
+def test_the_committed_readme_table_is_the_committed_summary():
+    """The README's results table is what docs/results/summary.json renders to, and the summary is what its
+    results page's result file summarises: no figure in the table was typed by hand."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    summary = json.loads((root / "docs/results/summary.json").read_text())
+    readme = (root / "README.md").read_text()
+    block = readme.split(START, 1)[1].split(END, 1)[0].strip()
+    assert block == markdown_table(summary).strip()
+    results = [json.loads(f.read_text()) for f in (root / summary["results_dir"]).rglob("result.json")]
+    assert any(summarize(r, summary["results_dir"]) == summary for r in results)
