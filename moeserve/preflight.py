@@ -33,18 +33,8 @@ def check_listen_address(host: str, port: int) -> None:
 def check_serve(args: argparse.Namespace) -> None:
     """``moeserve serve``: config, server settings, address, plan and weights, before ``run_serve`` loads the
     model (the cheap checks first: a mistake there is answered without importing torch)."""
-    from pydantic import ValidationError
-
-    from moeserve.args import config_from_args
-    from moeserve.config import ConfigError
-    cfg = config_from_args(args)
-    for field in ("host", "port", "api_key", "served_model_name", "max_queue_len"):
-        value = getattr(args, field, None)
-        if value is not None:
-            try:
-                setattr(cfg.server, field, value)
-            except ValidationError as e:
-                raise ConfigError(f"config error: server.{field}: {e.errors()[0]['msg']} (got {value!r})") from None
+    from moeserve.server.cli import serve_config_from_args
+    cfg = serve_config_from_args(args)
     check_listen_address(cfg.server.host, cfg.server.port)
     check_engine(cfg)
 

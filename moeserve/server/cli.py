@@ -45,12 +45,13 @@ def register(subparsers, name: str, help: str) -> None:
     p.set_defaults(func=run_serve)
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def serve_config_from_args(args: argparse.Namespace):
+    """The engine config of ``moeserve serve``'s flags, the server flags set on ``config.server`` (a bad value
+    is a ``ConfigError`` naming its field)."""
     from pydantic import ValidationError
 
     from moeserve.args import config_from_args
     from moeserve.config import ConfigError
-    from moeserve.server.engine_client import EngineStartError
 
     config = config_from_args(args)
     for field in ("host", "port", "api_key", "served_model_name", "max_queue_len", "chat_template"):
@@ -60,6 +61,13 @@ def run_serve(args: argparse.Namespace) -> int:
                 setattr(config.server, field, value)
             except ValidationError as e:
                 raise ConfigError(f"config error: server.{field}: {e.errors()[0]['msg']} (got {value!r})") from None
+    return config
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from moeserve.server.engine_client import EngineStartError
+
+    config = serve_config_from_args(args)
     host, port = config.server.host, config.server.port
     try:
         sock = bind_socket(host, port)
