@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,13 @@ def cli_env(**extra) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     env.update(extra)
     return env
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` of a child a test will Ctrl+C: SIGINT at its default, as under a terminal. A shell's
+    background job (``make test &``) ignores SIGINT, children inherit that, and Python keeps an inherited
+    ignore, so the test would otherwise depend on how the suite was started."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_cli(args, env=None, timeout=180) -> subprocess.CompletedProcess:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_utils import cli_env, run_cli
+from cli_utils import cli_env, default_sigint, run_cli
 from hf_models import make_checkpoint
 
 
@@ -118,7 +118,8 @@ def test_ctrl_c_exits_130_quietly():
     proc = subprocess.Popen([sys.executable, "-m", "moeserve.cli", "generate", "tiny", "--device", "cpu",
                              "--max-model-len", "2048", "--num-kv-pages", "160", "--prompt-token-ids", "1,2,3",
                              "--max-tokens", "2000", "--ignore-eos"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
+                            preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 120
         line = ""

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from cli_utils import cli_env
+from cli_utils import cli_env, default_sigint
 
 
 def free_port() -> int:
@@ -21,7 +21,8 @@ def test_serve_tiny_on_a_port_answers():
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moeserve.cli", "serve", "tiny", "--port", str(port),
                              "--device", "cpu", "--max-model-len", "256", "--num-kv-pages", "64"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=cli_env())
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=cli_env(),
+                            preexec_fn=default_sigint)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180

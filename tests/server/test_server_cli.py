@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cli_utils import default_sigint
 from tokenizer_utils import make_tiny_model
 
 
@@ -30,7 +31,7 @@ def serve_cmd(model_dir, *extra):
 def test_serve_prints_url_and_backends_and_stops_on_ctrl_c(model_dir):
     proc = subprocess.Popen(serve_cmd(model_dir, "--port", "0", "--served-model-name", "cli-model", "--api-key",
                                       "k1", "--set", "server.max_queue_len=5"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=default_sigint)
     try:
         lines = []
         deadline = time.monotonic() + 120
