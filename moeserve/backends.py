@@ -95,6 +95,12 @@ SPECS: dict[str, list[BackendSpec]] = {
                     "moeserve.ops.linear:flashinfer_modules"),
         BackendSpec("linear", "torch", "moeserve.ops.linear:TorchLinear", Requirements(),
                     "torch matmul (cuBLAS on GPU)"),
+        # after torch: auto never picks it (it measured level with cuBLAS on an H200, not faster)
+        BackendSpec("linear", "triton", "moeserve.ops.linear_triton:TritonLinear",
+                    Requirements(cuda=True, min_capability=(8, 0), packages=("triton",), quantization=("none",),
+                                 dtypes=_HALF),
+                    "moeserve's Triton GEMV for steps of at most linear_gemv_max_tokens tokens, cuBLAS above "
+                    "(opt-in)"),
     ],
     "sampling": [
         BackendSpec("sampling", "flashinfer", "moeserve.ops.sampling:FlashInferSampler",

@@ -200,6 +200,12 @@ class EngineConfig(_Strict):
     shared_expert_stream_max_tokens: int = Field(
         256, ge=0, description="steps of at most this many tokens run the shared expert on a second CUDA stream, "
         "beside routing and the routed experts; 0 runs it in line")
+    moe_pairwise_max_tokens: int = Field(
+        1, ge=0, description="Triton MoE: steps of at most this many tokens skip the expert alignment kernel and "
+        "run one row tile per (token, expert) pair; 0 always aligns")
+    linear_gemv_max_tokens: int = Field(
+        8, ge=0, le=16, description="with backends.linear: triton, steps of at most this many tokens run moeserve's "
+        "Triton GEMV instead of cuBLAS; 0 always runs cuBLAS")
     generation_config: str = Field(
         "auto", description="request defaults (temperature, top_p, top_k, min_p): auto reads the model "
         "directory's generation_config.json, vllm uses none, a directory reads that one's")

@@ -82,8 +82,10 @@ class RuntimePlan:
         m = self.arch
         moe = self.backends["moe"].name == "triton"
         routing = self.backends["routing"].name == "fused" and m.routing.method in METHODS
+        gemv = self.config.linear_gemv_max_tokens if self.backends["linear"].name == "triton" else 0
         gated = bool(m.shared_expert_intermediate_size and m.shared_expert_gate)
-        return {"kernels": moe or routing, "moe": moe, "routing": m.routing.method if routing else None,
+        return {"kernels": moe or routing or gemv > 0, "moe": moe, "routing": m.routing.method if routing else None,
+                "gemv_max_tokens": gemv, "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
                 "renormalize": m.routing.renormalize, "hidden_size": m.hidden_size, "num_experts": m.num_experts,
                 "moe_intermediate_size": m.moe_intermediate_size, "top_k": m.top_k,
                 "shared_expert": bool(m.shared_expert_intermediate_size),
@@ -98,12 +100,13 @@ def triton_source_digest() -> str:
     import hashlib
     from pathlib import Path
 
-    import moeserve.ops.moe as moe_pkg
+    import moeserve.ops as ops_pkg
+    root = Path(ops_pkg.__file__).parent
     h = hashlib.sha256()
-    for f in sorted(Path(moe_pkg.__file__).parent.glob("*.py")):
+    for f in sorted(root.rglob("*.py")):
         text = f.read_bytes()
         if b"@triton.jit" in text:
-            h.update(f.name.encode() + b"\0" + text)
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + text)
     return h.hexdigest()[:16]
 
 

@@ -160,7 +160,8 @@ def entry_from_state(mode: str, state: dict, wall: float, stopped: str | None, p
     for p in state.get("probes") or []:
         entry["results"].append({"workload": "first-request", "concurrency": p["concurrency"],
                                  "prompt_len": prompt_len, "output_len": 1, "ttft_s": p["first_ttft_s"],
-                                 "steady_ttft_s": p["steady_ttft_s"], "first_over_steady": p["first_over_steady"]})
+                                 "steady_ttft_s": p["steady_ttft_s"], "first_over_steady": p["first_over_steady"],
+                                 "first_kernel_loads": p.get("first_kernel_loads")})
     if first is None:
         entry["notes"] = [f"no first token: {stopped or state.get('reason')}"]
     return entry
@@ -340,4 +341,6 @@ def _say_entry(e: dict) -> None:
     for p in e["results"][1:]:
         note += (f"; c={p['concurrency']} first TTFT {p['ttft_s'] * 1e3:.1f} ms vs steady "
                  f"{p['steady_ttft_s'] * 1e3:.1f} ms")
+        if p.get("first_kernel_loads") is not None:
+            note += f" ({p['first_kernel_loads']} Triton kernels loaded in the first)"
     print(f"[startup] {e['label']}: ready {r['ready_s']:.1f} s, first token {first}{note}", flush=True)

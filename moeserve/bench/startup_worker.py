@@ -54,18 +54,22 @@ def batch_ttft(adapter, prompts: list[list[int]], tag: str) -> float:
     return round(time.perf_counter() - t0, 4)
 
 
-def run_probes(adapter, spec: dict, vocab: int) -> list[dict]:
-    """For each concurrency: the TTFT of the first batch of that size and of a second one (steady state)."""
+def run_probes(adapter, spec: dict, vocab: int, kernel_loads=None) -> list[dict]:
+    """For each concurrency: the TTFT of the first batch of that size and of a second one (steady state);
+    with ``kernel_loads`` (a count of kernels loaded so far), how many the first batch loaded."""
     import random
     rng = random.Random(0)
     n = len(spec["prompt_token_ids"])
     rows = []
     for c in spec.get("concurrency", []):
         batches = [[[rng.randrange(10, max(11, vocab)) for _ in range(n)] for _ in range(c)] for _ in range(2)]
+        loaded = kernel_loads() if kernel_loads else 0
         first = batch_ttft(adapter, batches[0], f"first-c{c}")
+        loaded = kernel_loads() - loaded if kernel_loads else None
         steady = batch_ttft(adapter, batches[1], f"steady-c{c}")
         rows.append({"concurrency": c, "first_ttft_s": first, "steady_ttft_s": steady,
-                     "first_over_steady": round(first / steady, 3) if steady else None})
+                     "first_over_steady": round(first / steady, 3) if steady else None,
+                     "first_kernel_loads": loaded})
     return rows
 
 
@@ -101,7 +105,9 @@ def run_moeserve(spec: dict, out: Path, state: dict) -> None:
     _sync()
     state.update(first_token_seconds=since_start(), ttft_seconds=round(time.perf_counter() - t_req, 3))
     write_state(out, state)
-    state.update(status="done", probes=run_probes(MoeserveAdapter(engine), spec, engine.arch.vocab_size),
+    from moeserve.kernel_cache.triton_cache import triton_events
+    state.update(status="done", probes=run_probes(MoeserveAdapter(engine), spec, engine.arch.vocab_size,
+                                                  kernel_loads=lambda: len(triton_events())),
                  **compile_counts())
 
 

@@ -59,6 +59,7 @@ class LLMEngine:
         self.stats = {"steps": 0, "mixed_steps": 0, "prefill_chunks": 0, "decode_tokens": 0, "prefill_tokens": 0}
         if capture_graphs:
             self.runner.capture_graphs(config.graph_batch_sizes())
+        self.runner.warm_up()
         self.ready_seconds = time.perf_counter() - t0
         log.info("engine ready in %.1f s: %s on %s, %s, backends %s, %d KV pages of %d tokens",
                  self.ready_seconds, self.source.name, self.runner.device, str(self.runner.dtype).removeprefix("torch."),

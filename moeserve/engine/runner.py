@@ -53,6 +53,20 @@ class LaunchedStep:
     prompt_logprobs: PromptLogprobs | None = None  # host copies, for the prefill chunks that asked
 
 
+def tuned_config_sizes(arch, dtype: torch.dtype, max_tokens: int) -> list[int]:
+    """The smallest step size of each distinct fused-MoE tile config up to ``max_tokens`` tokens (the sizes
+    whose first step loads a kernel, when no kernel cache lists them)."""
+    from moeserve.ops.moe.triton_configs import get_config
+    sizes, seen = [], set()
+    for t in range(1, max_tokens + 1):
+        cfg = get_config(t, arch.num_experts, arch.moe_intermediate_size, arch.hidden_size, arch.top_k, dtype)[0]
+        key = tuple(sorted(cfg.items()))
+        if key not in seen:
+            seen.add(key)
+            sizes.append(t)
+    return sizes
+
+
 def kv_budget_bytes(utilization: float, total: int, free_at_start: int, free_now: int, activation_peak: int) -> int:
     """Bytes the KV cache may take: ``utilization`` of the GPU for this engine (weights, activations, cache),
     counting only what this engine allocated since it started, as vLLM does, so another process on the GPU
@@ -106,8 +120,13 @@ class ModelRunner:
         plan, dev, dtype = self.plan, self.device, self.dtype
         cls = plan.backend_class
         side = dev.type == "cuda" and self.cfg.shared_expert_stream_max_tokens > 0 and not self.cfg.torch_compile
-        return Ops(linear=cls("linear")(dev, dtype), norm=cls("norm")(), activation=cls("activation")(),
-                   moe=cls("moe")(dev, dtype), routing=cls("routing")(dev, explicit=plan.explicit("routing")),
+        linear, moe = cls("linear")(dev, dtype), cls("moe")(dev, dtype)
+        if linear.name == "triton":
+            linear.max_tokens = self.cfg.linear_gemv_max_tokens
+        if moe.name == "triton":
+            moe.pairwise_max_tokens = self.cfg.moe_pairwise_max_tokens
+        return Ops(linear=linear, norm=cls("norm")(), activation=cls("activation")(),
+                   moe=moe, routing=cls("routing")(dev, explicit=plan.explicit("routing")),
                    rope_cls=cls("rope"), names=self.backend_names, quantization=self.quantization,
                    side_stream=torch.cuda.Stream(dev) if side else None,
                    side_stream_max_tokens=self.cfg.shared_expert_stream_max_tokens, parallel=self.parallel)
@@ -218,6 +237,41 @@ class ModelRunner:
         self.graph_memory_bytes = max(0, free0 - torch.cuda.mem_get_info(self.device)[0])
         log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s; they hold %.0f MiB",
                  len(self.graphs.sizes), self.graphs.sizes, self.graph_capture_seconds, self.graph_memory_bytes / 2**20)
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Before the first request, on the GPU: load every Triton kernel a step can launch and grow the memory
+        pool to the largest step, so that no request pays either.
+
+        The MoE block of the first sparse layer runs once per step size that first launches a kernel (listed
+        per kernel by ``moeserve precompile`` in the kernel cache; without one, the first size of each tuned
+        tile config), then the whole model runs one step of ``max_num_batched_tokens`` prefill tokens on free
+        KV pages (the prefill attention plan, activations at their peak). Decode sizes are loaded by the CUDA
+        graph capture."""
+        if self.device.type != "cuda":
+            return
+        from moeserve.kernel_cache.triton_cache import warm_step_sizes
+        from moeserve.models.layers import SparseMoE
+        t0 = time.perf_counter()
+        sizes = warm_step_sizes()
+        moe = next((layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)), None)
+        if moe is not None and self.backend_names["moe"] == "triton":
+            if sizes is None:
+                sizes = tuned_config_sizes(self.arch, self.dtype, self.plan.max_step_tokens)
+            for t in sizes:
+                if t <= self.plan.max_step_tokens:
+                    moe(torch.zeros((t, self.arch.hidden_size), dtype=self.dtype, device=self.device))
+        n = min(self.cfg.max_num_batched_tokens, self.max_model_len)
+        need = -(-n // self.page_size)
+        if need < self.kv.num_pages:
+            item = ScheduledRequest("warm-up", 0, [0] * n, list(range(1, 1 + need)), True)
+            batch = self.builder.build([item])
+            self.ops.attention.begin(batch.attn)
+            hidden = self.model(batch.input_ids, batch.positions)
+            self.model.compute_logits(hidden[batch.logits_indices])
+        torch.cuda.synchronize(self.device)
+        log.info("warm-up: the MoE block at %d step sizes and one step of %d tokens in %.2f s",
+                 len(sizes or []), n, time.perf_counter() - t0)
 
     # --- a step --------------------------------------------------------------------------------
     def sampling_batch(self, requests: list[ScheduledRequest]) -> SamplingBatch:

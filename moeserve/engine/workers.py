@@ -96,6 +96,8 @@ def serve_steps(runner: ModelRunner, channel) -> None:
             runner.forward_logits(payload)
         elif kind == "capture":
             runner.capture_graphs(payload, progress=False)
+        elif kind == "warm":
+            runner.warm_up()
         elif kind == "stop":
             return
         else:
@@ -293,6 +295,15 @@ class ParallelExecutor:
             self.channel.send(("capture", sizes))
             self.runner.capture_graphs(sizes, progress=progress)
         self._guard(run, "capturing CUDA graphs")
+
+    def warm_up(self) -> None:
+        if self.device.type != "cuda":
+            return
+
+        def run():
+            self.channel.send(("warm", None))
+            self.runner.warm_up()
+        self._guard(run, "warming up the kernels")
 
     def shutdown(self) -> None:
         """Stop the other ranks and leave the process group (idempotent)."""

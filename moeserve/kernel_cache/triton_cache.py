@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 log = logging.getLogger("moeserve.kernel_cache")
@@ -136,6 +137,9 @@ def use_triton_cache(base: str | Path, fingerprint: dict, allow_jit: bool = True
         log.warning("%s; missing Triton kernels will compile on first use", msg)
     knobs.cache.dir = str(cache)
     _state["dir"] = str(cache)
+    covering = [c for c in manifest.get("configs", []) if _covers(c, fingerprint)]
+    if covering and all("tokens" in e for e in covering[0]["entries"]):
+        _state["warm_sizes"] = sorted({e["tokens"] for e in covering[0]["entries"] if e["tokens"] is not None})
     install_listener(allow_jit)
     summary.update(dir=str(cache), kernels=sum(len(c["entries"]) for c in manifest.get("configs", [])))
     return summary
@@ -151,7 +155,8 @@ def install_listener(allow_jit: bool) -> None:
 
         def listener(*, src, metadata, metadata_group, times, cache_hit):
             _events.append({"name": getattr(src, "name", "?"), "compiled": not cache_hit,
-                            "seconds": round(times.total / 1e6, 3) if times is not None else None})
+                            "seconds": round(times.total / 1e6, 3) if times is not None else None,
+                            "at": time.perf_counter()})
             if not cache_hit:
                 log.info("Triton: compiled %s in %.2f s (not in the kernel cache)", getattr(src, "name", "?"),
                          times.total / 1e6 if times is not None else 0.0)
@@ -172,6 +177,12 @@ def install_listener(allow_jit: bool) -> None:
             return grp
 
     knobs.cache.manager_class = NoCompileCacheManager
+
+
+def warm_step_sizes() -> list[int] | None:
+    """The MoE step sizes whose first step launches a kernel, as the kernel cache in use lists them (None
+    without one)."""
+    return _state.get("warm_sizes")
 
 
 def triton_events() -> list[dict]:

@@ -3,7 +3,8 @@ the configuration will launch into ``<kernel cache>/triton``, under exactly the 
 Triton computes at launch (the engine then points Triton there: ``moeserve.kernel_cache.triton_cache``).
 
 How: the real MoE layer of the model (router, routing kernel, fused MoE, combine, FP8 activation quantisation)
-runs on ``meta`` tensors for every step size the engine can launch (1 to max_num_batched_tokens tokens), with
+runs on ``meta`` tensors for every step size the engine can launch (1 to max_num_batched_tokens tokens), and
+the GEMV of the ``triton`` linear backend for each of the model's linears and each step it takes, with
 a stand-in driver that reports the target GPU and every ``kernel[grid](...)`` turned into a compile. So the
 launch signatures (argument dtypes, 16-byte alignment of pointers, integer specialisations, tile configs from
 the tuned tables, constexprs) are the ones the engine produces, without restating them here.
@@ -184,6 +185,8 @@ def meta_moe_layer(plan):
     fp = plan.triton_fingerprint("?")
     meta, dtype = torch.device("meta"), plan.dtype
     moe = TritonMoE(meta, dtype) if fp["moe"] else TorchMoE(meta, dtype)
+    if fp["moe"]:
+        moe.pairwise_max_tokens = fp["moe_pairwise_max_tokens"]
     ops = Ops(linear=TorchLinear(meta, dtype), norm=TorchNorm(), activation=TorchActivation(), moe=moe,
               rope_cls=TorchRope, quantization=plan.quantization)
     layer = SparseMoE(ops, plan.arch, dtype, meta)
@@ -193,16 +196,58 @@ def meta_moe_layer(plan):
     return layer
 
 
+def meta_linear_shapes(plan) -> list[tuple[int, int, bool, torch.dtype]]:
+    """``(N, K, bias, dtype)`` of every distinct linear of the model (built on ``meta``) that runs through the
+    linear backend."""
+    from moeserve.models.base import Linear, Ops
+    from moeserve.models.layers import MoECausalLM
+    from moeserve.ops.basic import TorchActivation, TorchNorm, TorchRope
+    from moeserve.ops.linear import TorchLinear
+    from moeserve.ops.moe.torch_ref import TorchMoE
+    meta, dtype = torch.device("meta"), plan.dtype
+    ops = Ops(linear=TorchLinear(meta, dtype), norm=TorchNorm(), activation=TorchActivation(),
+              moe=TorchMoE(meta, dtype), rope_cls=TorchRope, quantization=plan.quantization)
+    shapes = set()
+    for mod in MoECausalLM(plan.arch, ops, dtype, meta).modules():
+        if isinstance(mod, Linear) and mod.weight_scale_inv is None:
+            n, k = mod.weight.shape
+            shapes.add((n, k, mod.bias is not None, mod.weight.dtype))
+    return sorted(shapes, key=str)
+
+
+def launch_every_kernel(plan, on_step=None) -> None:
+    """Run, on ``meta`` tensors, every Triton launch the plan can make: the MoE layer (router, routing, fused
+    MoE, combine) for each step size from 1 to the largest, and the GEMV for each linear and small step.
+    Inside ``compile_session`` each launch compiles (or lists) its kernel instead of running. ``on_step(t)`` is
+    called before the MoE layer's step of ``t`` tokens, ``on_step(None)`` before the GEMVs."""
+    on_step = on_step or (lambda t: None)
+    fp = plan.triton_fingerprint("?")
+    meta = torch.device("meta")
+    with torch.no_grad():
+        if fp["moe"] or fp["routing"]:
+            layer = meta_moe_layer(plan)
+            for tokens in range(1, plan.max_step_tokens + 1):
+                on_step(tokens)
+                layer(torch.empty((tokens, plan.arch.hidden_size), dtype=plan.dtype, device=meta))
+        on_step(None)
+        if fp["gemv_max_tokens"]:
+            from moeserve.ops.linear_triton import TritonLinear, gemv
+            lin = TritonLinear(meta, plan.dtype, max_tokens=fp["gemv_max_tokens"])
+            for n, k, bias, wdtype in meta_linear_shapes(plan):
+                for rows in range(1, lin.max_tokens + 1):
+                    if lin.takes_shape(rows, n, plan.dtype, wdtype):
+                        gemv(torch.empty((rows, k), dtype=plan.dtype, device=meta),
+                             torch.empty((n, k), dtype=wdtype, device=meta),
+                             torch.empty((n,), dtype=wdtype, device=meta) if bias else None)
+
+
 def list_kernels(plan, capability: tuple[int, int], device_name: str, scratch: Path) -> list[dict]:
     """The Triton kernels (name, tile constants, warps, stages) the plan launches, compiling nothing."""
     if not plan.triton_fingerprint(device_name)["kernels"]:
         return []
     from triton.runtime.cache import triton_key
-    with tuned_tables_for(device_name), compile_session(scratch, capability, triton_key(), dry_run=True), \
-            torch.no_grad():
-        layer = meta_moe_layer(plan)
-        for tokens in range(1, plan.max_step_tokens + 1):
-            layer(torch.empty((tokens, plan.arch.hidden_size), dtype=plan.dtype, device="meta"))
+    with tuned_tables_for(device_name), compile_session(scratch, capability, triton_key(), dry_run=True):
+        launch_every_kernel(plan)
         return list(_LISTED.values())
 
 
@@ -217,17 +262,19 @@ def build(plan, out: Path, capability: tuple[int, int], device_name: str, target
     key, tag = target_triton_key(target_python)
     cache_dir = out / TRITON_DIR
     t0 = time.perf_counter()
-    with tuned_tables_for(device_name), compile_session(cache_dir, capability, key) as events, torch.no_grad():
-        layer = meta_moe_layer(plan)
-        for tokens in range(1, plan.max_step_tokens + 1):
-            layer(torch.empty((tokens, plan.arch.hidden_size), dtype=plan.dtype, device="meta"))
+    marks: list[tuple[int, int | None]] = []  # (events so far, the step size about to launch)
+    with tuned_tables_for(device_name), compile_session(cache_dir, capability, key) as events:
+        launch_every_kernel(plan, on_step=lambda t: marks.append((len(events), t)))
     entries, seen = [], set()
-    for e in events:
+    from triton.runtime.cache import _base32
+    for i, e in enumerate(events):
         if e["hash"] not in seen:
             seen.add(e["hash"])
-            from triton.runtime.cache import _base32
+            # the MoE step size whose launch first needs this kernel: the engine warms these sizes at start
+            tokens = next((t for n, t in reversed(marks) if n <= i), None)
             entries.append({"kernel": e["name"], "name": e["name"][:150], "dir": _base32(e["hash"]),
-                            "hash": e["hash"], "constants": e["constants"], "cached": e["cache_hit"]})
+                            "hash": e["hash"], "constants": e["constants"], "tokens": tokens,
+                            "cached": e["cache_hit"]})
     compiled = sum(1 for e in entries if not e["cached"])
     log(f"Triton: {len(entries)} kernels for {plan.source.name} up to {plan.max_step_tokens} tokens per step "
         f"({compiled} compiled now, for {device_name}, Python {tag}) in {time.perf_counter() - t0:.1f} s -> {cache_dir}")

@@ -62,6 +62,12 @@ COMBINE_CASES = {
     "T7-k4-gated-bf16": (7, 4, 96, torch.bfloat16, True, True),
     "T0": (0, 2, 32, torch.float32, True, True),
 }
+# name: (T, E, k, dtype, config): pairwise tiles (no alignment), as steps of few tokens run
+PAIRWISE_CASES = {
+    "T1-k2": (1, 8, 2, torch.float32, None),
+    "T3-k4-A": (3, 8, 4, torch.float32, CFG_A),
+    "T2-k2-odd-K-fp16": (2, 8, 2, torch.float16, CFG_B),
+}
 # name: (T, E, k): routing with about half the ids -1
 MASKED_CASES = {"T1": (1, 8, 2), "T33": (33, 8, 2), "T17-k4": (17, 4, 4)}
 COMBINE_BF16_TOL = 1e-2  # relative, one bf16 rounding of a float32 sum (2**-8 = 3.9e-3 per element at most)
@@ -103,7 +109,7 @@ def _interpreter_worker(in_path: str, out_path: str) -> None:
     from moeserve.ops.moe.combine_triton import moe_combine_triton
     from moeserve.ops.moe.triton_kernels import fused_moe, moe_align_block_size
     inputs = torch.load(in_path)
-    out = {"moe": {}, "align": {}, "combine": {}, "masked": {}}
+    out = {"moe": {}, "align": {}, "combine": {}, "masked": {}, "pairwise": {}}
     for name, (down, k, shared, gate) in inputs["combine"].items():
         out["combine"][name] = moe_combine_triton(down, k, shared, gate)
     for name, (x, w13, w2, tw, ti, cfg) in inputs["moe"].items():
@@ -112,6 +118,8 @@ def _interpreter_worker(in_path: str, out_path: str) -> None:
         out["align"][name] = moe_align_block_size(ids, block_m, E)
     for name, (x, w13, w2, tw, ti) in inputs["masked"].items():
         out["masked"][name] = fused_moe(x, w13, w2, tw, ti, masked_ids=True)
+    for name, (x, w13, w2, tw, ti, cfg) in inputs["pairwise"].items():
+        out["pairwise"][name] = fused_moe(x, w13, w2, tw, ti, config=cfg, pairwise_max_tokens=x.shape[0])
     torch.save(out, out_path)
 
 
@@ -136,7 +144,11 @@ def interpreted(tmp_path_factory):
         x, w13, w2, tw, ti = random_moe_inputs(T, E, k, 72, 40, torch.float32, gen)
         ti = ti.masked_fill(torch.rand(ti.shape, generator=gen) < 0.5, -1)
         masked[name] = (x, w13, w2, tw, ti)
-    inputs = {"moe": moe, "align": align, "combine": combine, "masked": masked}
+    pairwise = {}
+    for name, (T, E, k, dtype, cfg) in PAIRWISE_CASES.items():
+        H, I = (72, 40) if "odd-K" in name else (64, 32)
+        pairwise[name] = (*random_moe_inputs(T, E, k, H, I, dtype, gen), cfg)
+    inputs = {"moe": moe, "align": align, "combine": combine, "masked": masked, "pairwise": pairwise}
     return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("interp"), SEED)
 
 
@@ -165,6 +177,21 @@ def test_fused_moe_interpreter(interpreted, name):
     y = outputs["moe"][name]
     assert y.shape == x.shape and y.dtype == x.dtype
     ref = reference_moe(x, w13, w2, tw, ti)
+    if x.dtype == torch.float32:
+        torch.testing.assert_close(y.double(), ref, rtol=FP32_RTOL, atol=FP32_ATOL, msg=lambda m: f"seed {SEED}: {m}")
+    else:
+        err = float((y.double() - ref).norm() / ref.norm())
+        assert err < FP16_REL_FRO, f"seed {SEED}: relative Frobenius error {err:.3g}"
+
+
+@pytest.mark.parametrize("name", list(PAIRWISE_CASES))
+def test_pairwise_fused_moe_interpreter(interpreted, name):
+    """Steps of few tokens: one row tile per (token, expert) pair, no alignment; the same MoE."""
+    inputs, outputs = interpreted
+    x, w13, w2, tw, ti, _ = inputs["pairwise"][name]
+    y = outputs["pairwise"][name]
+    ref = reference_moe(x, w13, w2, tw, ti)
+    assert y.shape == x.shape and y.dtype == x.dtype
     if x.dtype == torch.float32:
         torch.testing.assert_close(y.double(), ref, rtol=FP32_RTOL, atol=FP32_ATOL, msg=lambda m: f"seed {SEED}: {m}")
     else:
@@ -298,9 +325,9 @@ def qwen_weights():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("M", [1, 7, 64, 512])
+@pytest.mark.parametrize("M,pairwise", [(1, False), (1, True), (4, True), (7, False), (64, False), (512, False)])
 @pytest.mark.parametrize("shape", list(QWEN_SHAPES))
-def test_fused_moe_bf16_gpu(qwen_weights, shape, M):
+def test_fused_moe_bf16_gpu(qwen_weights, shape, M, pairwise):
     from moeserve.ops.moe.triton_kernels import fused_moe
     E, I, H, k = QWEN_SHAPES[shape]
     w13, w2 = qwen_weights(shape)
@@ -309,7 +336,7 @@ def test_fused_moe_bf16_gpu(qwen_weights, shape, M):
     tw, ti = random_routing(M, E, k, gen, "cuda", torch.int64 if M % 2 else torch.int32)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        y = fused_moe(x, w13, w2, tw, ti)
+        y = fused_moe(x, w13, w2, tw, ti, pairwise_max_tokens=M if pairwise else 0)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     ref = reference_moe(x, w13, w2, tw, ti, dtype=torch.float32)
@@ -352,9 +379,12 @@ def test_align_gpu(T, k, E, block_m):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("M", [1, 7, 200])
-def test_fused_moe_cuda_graph(qwen_weights, M):
-    from moeserve.ops.moe.triton_kernels import fused_moe
+@pytest.mark.parametrize("M,pairwise", [(1, False), (1, True), (2, True), (7, False), (200, False)])
+def test_fused_moe_cuda_graph(qwen_weights, M, pairwise):
+    from functools import partial
+
+    from moeserve.ops.moe import triton_kernels
+    fused_moe = partial(triton_kernels.fused_moe, pairwise_max_tokens=M if pairwise else 0)
     E, I, H, k = QWEN_SHAPES["qwen3"]
     w13, w2 = qwen_weights("qwen3")
     gen = torch.Generator(device="cuda").manual_seed(SEED + 1000 + M)

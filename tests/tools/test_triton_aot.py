@@ -28,7 +28,7 @@ def tiny_plan(max_tokens=24, **kw):
 def test_dry_run_lists_the_triton_kernels_of_the_bench_configuration():
     out = subprocess.run([sys.executable, "-m", "moeserve.cli", "precompile", "--config",
                           "moeserve/presets/bench-gpu.yaml", "--arch", "9.0a", "--out", "/nonexistent/cache",
-                          "--dry-run", "--modules", "norm"], capture_output=True, text=True, cwd=REPO, timeout=300,
+                          "--dry-run", "--modules", "norm", "--set", "backends.linear=triton"], capture_output=True, text=True, cwd=REPO, timeout=300,
                          env={"COLUMNS": "300", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
@@ -39,6 +39,10 @@ def test_dry_run_lists_the_triton_kernels_of_the_bench_configuration():
     # Qwen1.5's gated shared expert: the combine adds it with the gate from the router's extra row
     assert "TOP_K=4 HAS_SHARED=True HAS_GATE=True" in text
     assert "BLOCK_SIZE_M=16 BLOCK_SIZE_N=32 BLOCK_SIZE_K=128" in text  # the tuned H200 table's M=1 tile
+    assert "PAIRWISE=True" in text and "PAIRWISE=False" in text  # one-token steps skip the alignment
+    # the (opt-in) triton linear backend's GEMV: qkv_proj carries a bias, the shared expert's down projection
+    # K=5632 takes the long-row tile
+    assert "_gemv_kernel" in text and "HAS_BIAS=True" in text and "BLOCK_K=1024" in text
 
 
 def test_built_kernels_serve_every_launch_from_disk_after_the_cache_moves(tmp_path):
@@ -47,6 +51,10 @@ def test_built_kernels_serve_every_launch_from_disk_after_the_cache_moves(tmp_pa
     names = {e["kernel"] for e in config["entries"]}
     assert {"fused_moe_kernel", "_moe_align_kernel", "moe_combine_kernel", "_topk_route_kernel"} <= names
     manifest = json.loads((tmp_path / "built" / "triton" / "manifest.json").read_text())
+    # each kernel names the MoE step size that first launches it: the sizes the engine warms at start
+    sizes = [e["tokens"] for e in config["entries"]]
+    assert sizes[0] == 1 and all(isinstance(t, int) and 1 <= t <= 24 for t in sizes)
+    assert sorted(set(sizes)) == sorted({e["tokens"] for e in manifest["configs"][-1]["entries"]})
     assert manifest["target_python"] == triton_aot.python_tag()
     assert manifest["triton_key_sha256"] == triton_cache.triton_key_digest()
     shutil.copytree(tmp_path / "built", tmp_path / "moved")
@@ -80,6 +88,7 @@ def test_allow_jit_false_refuses_an_uncovered_configuration_and_a_missing_kernel
     fp = plan.triton_fingerprint(H200[1])
     summary = triton_cache.use_triton_cache(tmp_path, fp, allow_jit=False)
     assert summary["kernels"] == len(config["entries"])
+    assert triton_cache.warm_step_sizes() == sorted({e["tokens"] for e in config["entries"]})
     bigger = tiny_plan(max_tokens=64).triton_fingerprint(H200[1])
     with pytest.raises(triton_cache.TritonCacheError, match="holds no Triton kernels for .*max_tokens=64"):
         triton_cache.use_triton_cache(tmp_path, bigger, allow_jit=False)

@@ -26,6 +26,7 @@ class TritonMoE(MoEBackend):
         self.device = device
         self.dtype = dtype
         self.untuned: set[tuple] = set()
+        self.pairwise_max_tokens = 0  # steps of at most this many tokens skip the alignment (bf16/fp16 experts)
 
     def prepare(self, layer) -> None:
         e, two_i, h = layer.w13.shape
@@ -51,5 +52,5 @@ class TritonMoE(MoEBackend):
             return self._fp8.fused_moe_fp8(x, layer.w13, layer.w13_scale_inv, layer.w2, layer.w2_scale_inv,
                                            topk_weights, topk_ids, shared=shared, masked_ids=masked)
         return self._kernels.fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, shared=shared,
-                                       masked_ids=masked)
+                                       masked_ids=masked, pairwise_max_tokens=self.pairwise_max_tokens)
 

@@ -18,6 +18,7 @@ __all__ = ["moe_align_block_size", "fused_moe", "fused_moe_warmup", "invoke_fuse
 _META_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M")
 _ALIGN_SINGLE_CHUNK_LIMIT = 1024
 _ALIGN_MAX_CHUNKS = 64
+PAIRWISE_BLOCK_M = 16  # a pair's row tile: one real row (tl.dot needs 16)
 
 
 @triton.jit
@@ -146,9 +147,16 @@ def program_tile(EM, N, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, 
 
 
 @triton.jit
-def tile_rows(sorted_token_ids_ptr, expert_ids_ptr, pid_m, num_valid_tokens, BLOCK_SIZE_M: tl.constexpr):
-    """``(rows, real-row mask, expert)`` of row tile ``pid_m`` of the expert-sorted routing."""
-    offs_token = tl.load(sorted_token_ids_ptr + pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)
+def tile_rows(sorted_token_ids_ptr, expert_ids_ptr, pid_m, num_valid_tokens, BLOCK_SIZE_M: tl.constexpr,
+              PAIRWISE: tl.constexpr = False):
+    """``(rows, real-row mask, expert)`` of row tile ``pid_m`` of the expert-sorted routing.
+
+    ``PAIRWISE``: no sorted routing; tile ``pid_m`` is the one (token, expert) pair ``pid_m`` of the flat
+    ``topk_ids`` (passed as ``expert_ids_ptr``), its row alone in the tile."""
+    if PAIRWISE:
+        offs_token = tl.where(tl.arange(0, BLOCK_SIZE_M) == 0, pid_m, num_valid_tokens).to(tl.int64)
+    else:
+        offs_token = tl.load(sorted_token_ids_ptr + pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)
     token_mask = offs_token < num_valid_tokens
     off_expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     return offs_token, token_mask, off_expert
@@ -172,19 +180,21 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
                      stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                      BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
                      GROUP_SIZE_M: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
-                     IEEE_FP32: tl.constexpr):
+                     IEEE_FP32: tl.constexpr, PAIRWISE: tl.constexpr = False):
     """Grouped GEMM ``C[s, :] = A[s // top_k, :] @ B[expert(s)]^T`` over expert-sorted rows ``s``.
 
     ``A`` is ``[*, K]``, ``B`` is ``[E, N, K]``, ``C`` is ``[num_valid_tokens, N]``. Rows come from
     ``sorted_token_ids`` in blocks of ``BLOCK_SIZE_M`` sharing one expert; padded rows
     (``>= num_valid_tokens``) are skipped. With ``MUL_ROUTED_WEIGHT`` each row is scaled by
     ``topk_weights[s]`` in fp32 before the cast to ``C``'s dtype. ``EM`` bounds the padded row count.
+    ``PAIRWISE``: one tile per flat routing pair, ``expert_ids`` is the flat ``topk_ids`` (see ``tile_rows``).
     """
     pid_m, pid_n = program_tile(EM, N, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
-    if pid_m * BLOCK_SIZE_M >= tl.load(num_tokens_post_padded_ptr):
-        return
+    if not PAIRWISE:
+        if pid_m * BLOCK_SIZE_M >= tl.load(num_tokens_post_padded_ptr):
+            return
     offs_token, token_mask, off_expert = tile_rows(sorted_token_ids_ptr, expert_ids_ptr, pid_m, num_valid_tokens,
-                                                   BLOCK_SIZE_M)
+                                                   BLOCK_SIZE_M, PAIRWISE)
 
     offs_bn = (pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N).to(tl.int64)) % N
     offs_k = tl.arange(0, BLOCK_SIZE_K)
@@ -237,22 +247,28 @@ def launch_params(config: dict, n: int, sorted_token_ids: torch.Tensor, max_padd
 def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor | None,
                             sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
                             num_tokens_post_padded: torch.Tensor, top_k: int, config: dict,
-                            max_padded_rows: int | None = None, warmup: bool = False):
+                            max_padded_rows: int | None = None, warmup: bool = False, pairwise: bool = False):
     """Launch (or, with ``warmup``, only compile) :func:`fused_moe_kernel` for ``c = a[rows // top_k] @ b[e]^T``.
 
     ``c`` is ``[rows, N]`` with ``rows = len(topk_ids.flatten())``; ``topk_weights`` (flat fp32, ``[rows]``)
     enables routed-weight scaling. ``max_padded_rows`` is an upper bound on ``num_tokens_post_padded``
-    that shrinks the grid (defaults to ``len(sorted_token_ids)``).
+    that shrinks the grid (defaults to ``len(sorted_token_ids)``). ``pairwise``: ``expert_ids`` is the flat
+    ``topk_ids`` and each (token, expert) pair is its own row tile (no alignment; ``sorted_token_ids`` and
+    ``num_tokens_post_padded`` are not read).
     """
     num_valid, n = c.shape
     k = b.shape[2]
     meta, opts, em, grid = launch_params(config, n, sorted_token_ids, max_padded_rows)
+    if pairwise:
+        meta["BLOCK_SIZE_M"] = PAIRWISE_BLOCK_M
+        em = num_valid * PAIRWISE_BLOCK_M
+        grid = (num_valid * triton.cdiv(n, meta["BLOCK_SIZE_N"]),)
     mul_w = topk_weights is not None
     args = (a, b, c, topk_weights if mul_w else c, sorted_token_ids, expert_ids, num_tokens_post_padded, n, k,
             em, num_valid, top_k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
             c.stride(0), c.stride(1))
     kwargs = dict(meta, MUL_ROUTED_WEIGHT=mul_w, EVEN_K=k % meta["BLOCK_SIZE_K"] == 0,
-                  IEEE_FP32=a.dtype == torch.float32, **opts)
+                  IEEE_FP32=a.dtype == torch.float32, PAIRWISE=pairwise, **opts)
     if warmup:
         return fused_moe_kernel.warmup(*args, grid=grid, **kwargs)
     return fused_moe_kernel[grid](*args, **kwargs)
@@ -286,7 +302,8 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids):
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: dict | None = None, out: torch.Tensor | None = None,
-              shared: SharedExpertOutput | None = None, masked_ids: bool = False) -> torch.Tensor:
+              shared: SharedExpertOutput | None = None, masked_ids: bool = False,
+              pairwise_max_tokens: int = 0) -> torch.Tensor:
     """Mixture-of-experts SwiGLU MLP: ``sum_j w[t,j] * w2[e] @ (silu(gate_e x_t) * up_e x_t)``, ``e = ids[t,j]``.
 
     ``x`` ``[T, H]``; ``w13`` ``[E, 2I, H]`` (gate rows ``[0, I)``, up rows ``[I, 2I)``); ``w2`` ``[E, H, I]``;
@@ -294,7 +311,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     (written into ``out`` when given). ``config`` holds the Triton tile parameters; ``None`` selects one with
     :func:`get_config`. ``shared``: a shared expert's output, added (gated) in the combine. ``masked_ids``:
     ``topk_ids`` may hold -1 (experts of other ranks), which add nothing. GEMMs accumulate in fp32; no host
-    synchronisation.
+    synchronisation. Steps of at most ``pairwise_max_tokens`` tokens (and no masked ids) skip the alignment:
+    each (token, expert) pair is its own row tile, one launch fewer per layer for the price of reading an
+    expert once per pair that picks it rather than once per step.
     """
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
     t, h = x.shape
@@ -310,17 +329,25 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if config is None:
         config, _ = get_config(t, e, inter, h, top_k, x.dtype)
     rows = t * top_k
-    block_m = int(config["BLOCK_SIZE_M"])
-    max_rows = rows + min(rows, e) * (block_m - 1)
-    sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, block_m, e)
+    pairwise = t <= pairwise_max_tokens and not masked_ids
+    if pairwise:
+        expert_ids = topk_ids.reshape(-1)
+        sorted_ids = ntpp = expert_ids  # not read
+        max_rows = None
+    else:
+        block_m = int(config["BLOCK_SIZE_M"])
+        max_rows = rows + min(rows, e) * (block_m - 1)
+        sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, block_m, e)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
 
     gate_up = torch.empty((rows, two_i), dtype=x.dtype, device=x.device)
-    invoke_fused_moe_kernel(x, w13, gate_up, None, sorted_ids, expert_ids, ntpp, top_k, config, max_rows)
+    invoke_fused_moe_kernel(x, w13, gate_up, None, sorted_ids, expert_ids, ntpp, top_k, config, max_rows,
+                            pairwise=pairwise)
     act = silu_and_mul(gate_up)
     # rows of a masked id are never written: zero them for the combine's sum
     down = (torch.zeros if masked_ids else torch.empty)((rows, h), dtype=x.dtype, device=x.device)
-    invoke_fused_moe_kernel(act, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, config, max_rows)
+    invoke_fused_moe_kernel(act, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, config, max_rows,
+                            pairwise=pairwise)
     return moe_combine(down, top_k, shared, out)
 
 

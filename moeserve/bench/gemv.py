@@ -1,0 +1,103 @@
+"""The dense linears of a model at decode batch sizes: cuBLAS (``F.linear``) against moeserve's Triton GEMV, each
+checked against a float32 reference and timed with the L2 cache flushed between calls (a decode step reads
+every weight once, from HBM). With ``--sweep`` the GEMV runs every tile configuration of a small grid and the
+best is reported beside the built-in one (``moeserve.ops.linear_triton.gemv_config``).
+
+    python -m moeserve.bench.gemv --model qwen1.5-moe-a2.7b --rows 1 2 4 8 --out gemv.json [--sweep]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+
+TOL = 2e-2  # bf16 output of a float32-accumulated dot product over K <= 8192, against float32
+SWEEP = {"BLOCK_N": (16, 32), "BLOCK_K": (256, 512, 1024), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
+
+
+def model_linears(model: str) -> list[tuple[str, int, int, bool]]:
+    """``(name, N, K, bias)`` of each distinct dense linear of one decoder layer, the router and the LM head."""
+    from moeserve.config import resolve_model_source
+    from moeserve.models import arch_from_hf
+    a = arch_from_hf(resolve_model_source(model).config)
+    h, q, kv = a.hidden_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    out = [("qkv_proj", q + 2 * kv, h, a.qkv_bias), ("o_proj", h, q, a.o_bias)]
+    if a.shared_expert_intermediate_size:
+        s = a.shared_expert_intermediate_size
+        out += [("shared gate_up", 2 * s, h, False), ("shared down", h, s, False)]
+    if a.dense_intermediate_size and not all(a.moe_layers):
+        d = a.dense_intermediate_size
+        out += [("dense gate_up", 2 * d, h, False), ("dense down", h, d, False)]
+    router = a.num_experts + (1 if a.shared_expert_gate else 0)
+    out += [("router", -(-router // 8) * 8, h, False), ("lm_head", a.vocab_size, h, False)]
+    return out
+
+
+def time_us(fn, reps: int = 50) -> float:
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median") * 1e3
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moeserve.bench.gemv", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen1.5-moe-a2.7b")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--sweep", action="store_true", help="also time every tile configuration of a small grid")
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("moeserve.bench.gemv: needs a CUDA GPU")
+        return 2
+    from moeserve.ops.linear_triton import gemv, gemv_config
+    dtype = getattr(torch, args.dtype)
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    configs = [dict(zip(SWEEP, v)) for v in itertools.product(*SWEEP.values())] if args.sweep else []
+    for name, n, k, has_bias in model_linears(args.model):
+        w = (torch.randn(n, k, device=dev, generator=gen) * 0.02).to(dtype)
+        b = (torch.randn(n, device=dev, generator=gen) * 0.02).to(dtype) if has_bias else None
+        nbytes = w.numel() * w.element_size()
+        for m in args.rows:
+            x = torch.randn(m, k, device=dev, generator=gen).to(dtype)
+            ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+            err = (gemv(x, w, b).float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+            if err > TOL:
+                raise SystemExit(f"{name} M={m}: GEMV differs from the float32 reference by {err:.3g} (> {TOL})")
+            t_cublas = time_us(lambda: F.linear(x, w, b))
+            cfg = gemv_config(n, k)
+            t_gemv = time_us(lambda: gemv(x, w, b, cfg))
+            row = {"linear": name, "N": n, "K": k, "rows": m, "weight_MB": round(nbytes / 1e6, 2),
+                   "cublas_us": round(t_cublas, 2), "cublas_TBps": round(nbytes / t_cublas / 1e6, 2),
+                   "gemv_us": round(t_gemv, 2), "gemv_TBps": round(nbytes / t_gemv / 1e6, 2), "gemv_config": cfg,
+                   "rel_err": round(err, 5)}
+            print(f"{name:15s} N={n:6d} K={k:5d} M={m:2d}: cuBLAS {t_cublas:7.2f} us ({row['cublas_TBps']:.2f} TB/s)"
+                  f"  gemv {t_gemv:7.2f} us ({row['gemv_TBps']:.2f} TB/s)", flush=True)
+            if configs and name not in ("lm_head", "router"):
+                timed = []
+                for c in configs:
+                    try:
+                        timed.append((time_us(lambda c=c: gemv(x, w, b, c), reps=25), c))
+                    except Exception as e:  # noqa: BLE001 - a tile that does not fit (shared memory) is skipped
+                        if "OutOfResources" not in type(e).__name__:
+                            raise
+                timed.sort(key=lambda r: r[0])
+                best = timed[0]
+                row.update(best_us=round(best[0], 2), best_TBps=round(nbytes / best[0] / 1e6, 2), best_config=best[1],
+                           top5=[(round(t, 2), c) for t, c in timed[:5]])
+                print(f"    best {best[0]:7.2f} us ({row['best_TBps']:.2f} TB/s) {best[1]}; next "
+                      + "; ".join(f"{t:.2f} {c}" for t, c in timed[1:4]), flush=True)
+            rows.append(row)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "dtype": args.dtype, "model": args.model, "rows": rows},
+                      f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""Dense linears for small steps: a Triton GEMV, the opt-in ``triton`` linear backend (``backends.linear:
+triton``; ``auto`` keeps cuBLAS).
+
+At decode batch sizes cuBLAS picks tile shapes made for larger M: on an H200 the c=1 step of Qwen1.5-MoE spends
+1.44 ms in GEMMs whose weights need ~0.77 ms to read. Here each program owns ``BLOCK_N`` output features and
+walks the whole ``K`` of their weight rows, multiplying by every row of ``x`` at once (``tl.dot`` with the rows
+padded to 16); the bias is added in the epilogue. Steps of more than ``max_tokens`` rows, narrow weights and
+other dtypes run ``F.linear``.
+
+Measured on an H200 (docs/results/2026-12-01-h200-b): inside the decode graph the GEMV's kernels took as long
+as cuBLAS's (1.30 ms per c=1 step for the 96 layer linears, both), and decode throughput did not move, so
+``auto`` does not pick it. What remains is launch and tail latency of ~100 small kernels per step, not the
+GEMM tiles.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from moeserve.ops.interfaces import LinearBackend
+from moeserve.quant.fp8 import fp8_linear_reference
+
+GEMV_MAX_ROWS = 16  # rows of x one launch takes (tl.dot's smallest tile)
+GEMV_MIN_N = 256  # narrower weights (a router) leave most SMs idle in a GEMV: cuBLAS
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    """``y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n])`` for ``m < M <= M_PAD``, float32 accumulation."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_n = (offs_n % N).to(tl.int64)  # past-the-end features re-read a valid row; their outputs are masked
+    offs_m = tl.arange(0, M_PAD)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # x^T tile [BLOCK_K, M_PAD]
+    acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+        else:
+            k_mask = offs_k < K - k * BLOCK_K
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+        acc = tl.dot(w, xt, acc=acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows_n).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_n[:, None] < N) & m_mask[None, :])
+
+
+def gemv_config(n: int, k: int) -> dict:
+    """Tile parameters for an ``[n, k]`` weight: the fastest of ``python -m moeserve.bench.gemv --sweep`` on an
+    H200 for the Qwen1.5-MoE linears (BLOCK_N 32 for K = 2048, 16 with long rows)."""
+    if k >= 4096:
+        return {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4}
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config: dict | None = None) -> torch.Tensor:
+    """``x @ weight^T (+ bias)`` for ``x`` ``[..., K]`` of at most :data:`GEMV_MAX_ROWS` rows, ``weight``
+    ``[N, K]`` contiguous, both bf16 or fp16; returns ``[..., N]`` in ``x.dtype``."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = weight.shape[0]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m > GEMV_MAX_ROWS:
+        raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows, got {m}")
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*lead, n)
+    c = config or gemv_config(n, k)
+    grid = (triton.cdiv(n, c["BLOCK_N"]),)
+    _gemv_kernel[grid](x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0), weight.stride(0),
+                       y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+                       M_PAD=GEMV_MAX_ROWS, EVEN_K=k % c["BLOCK_K"] == 0, num_warps=c["num_warps"],
+                       num_stages=c["num_stages"])
+    return y.reshape(*lead, n)
+
+
+class TritonLinear(LinearBackend):
+    """Steps of at most ``max_tokens`` rows (bf16/fp16 weights): :func:`gemv`; larger steps: ``F.linear``."""
+
+    name = "triton"
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, max_tokens: int = 8):
+        super().__init__(device, dtype)
+        self.max_tokens = min(max_tokens, GEMV_MAX_ROWS)
+
+    def takes_shape(self, rows: int, n: int, dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
+        """Whether a step of ``rows`` rows times an ``[n, *]`` weight runs the GEMV (also what ``moeserve
+        precompile`` builds)."""
+        return (0 < rows <= self.max_tokens and n >= GEMV_MIN_N and dtype in (torch.bfloat16, torch.float16)
+                and weight_dtype == dtype)
+
+    def takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        return x.is_cuda and self.takes_shape(rows, weight.shape[0], x.dtype, weight.dtype) and weight.is_contiguous()
+
+    @torch.compiler.disable  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
+    def _gemv(self, x, weight, bias):
+        return gemv(x, weight, bias)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.takes(x, weight):
+            return self._gemv(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def linear_fp8(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        return fp8_linear_reference(x, weight, weight_scale, bias)

@@ -1,0 +1,143 @@
+"""Tests of the Triton GEMV behind the ``triton`` linear backend (steps of few tokens).
+
+CPU: the kernel under Triton's interpreter (one subprocess) against a float64 ``x @ W^T + b``, on odd shapes
+(N not a multiple of the tile, K not a multiple of BLOCK_K, 1 to 16 rows). GPU (``-m gpu``): bf16 and fp16
+on the Qwen1.5-MoE linears against float32, inside a CUDA graph, and the backend's choice between the GEMV
+and cuBLAS. Inputs are fresh random each run; the seed is in failure messages (``MOESERVE_TEST_SEED``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from triton_interpreter import is_worker, patch_for_numpy, run_worker  # noqa: E402
+
+SEED = int(os.environ.get("MOESERVE_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+FP32_RTOL, FP32_ATOL = 1e-5, 1e-5
+HALF_REL_TOL = 2e-2  # one bf16 rounding of a float32 sum (2**-8 per element), relative to the largest output
+
+# name: (M, N, K, bias, dtype, config)
+CPU_CASES = {
+    "M1-bias": (1, 40, 96, True, torch.float32, {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}),
+    "M3-oddK": (3, 33, 100, False, torch.float32, {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}),
+    "M16-fp16": (16, 48, 128, True, torch.float16, {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}),
+    "M0": (0, 16, 64, False, torch.float32, None),
+}
+
+
+def _worker(in_path: str, out_path: str) -> None:
+    patch_for_numpy()
+    from moeserve.ops.linear_triton import gemv
+    inputs = torch.load(in_path)
+    torch.save({name: gemv(x, w, b, cfg) for name, (x, w, b, cfg) in inputs.items()}, out_path)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    gen = torch.Generator().manual_seed(SEED)
+    inputs = {}
+    for name, (m, n, k, bias, dtype, cfg) in CPU_CASES.items():
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+        b = torch.randn(n, generator=gen).to(dtype) if bias else None
+        inputs[name] = (x, w, b, cfg)
+    return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("gemv"), SEED)
+
+
+@pytest.mark.parametrize("name", list(CPU_CASES))
+def test_gemv_interpreter(interpreted, name):
+    inputs, outputs = interpreted
+    x, w, b, _ = inputs[name]
+    y = outputs[name]
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert y.shape == ref.shape and y.dtype == x.dtype
+    if x.dtype == torch.float32:
+        torch.testing.assert_close(y.double(), ref, rtol=FP32_RTOL, atol=FP32_ATOL, msg=lambda m: f"seed {SEED}: {m}")
+    elif ref.numel():
+        err = float((y.double() - ref).abs().max() / ref.abs().max())
+        assert err < HALF_REL_TOL, f"seed {SEED}: max relative error {err:.3g}"
+
+
+def test_gemv_refuses_more_rows_than_one_tile():
+    from moeserve.ops.linear_triton import GEMV_MAX_ROWS, gemv
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        gemv(torch.zeros(GEMV_MAX_ROWS + 1, 8), torch.zeros(4, 8))
+
+
+def test_backend_takes_only_small_half_precision_cuda_steps():
+    """On the CPU (and for float32, FP8 or big steps) the backend is cuBLAS/F.linear, exactly."""
+    from moeserve.ops.linear_triton import TritonLinear
+    lin = TritonLinear(torch.device("cpu"), torch.float32, max_tokens=8)
+    x, w, b = torch.randn(2, 16), torch.randn(8, 16), torch.randn(8)
+    assert not lin.takes(x, w)
+    assert torch.equal(lin.linear(x, w, b), F.linear(x, w, b))
+
+
+# ---------------------------------------------------------------- GPU
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# Qwen1.5-MoE-A2.7B's dense linears: (N, K, bias)
+QWEN15_LINEARS = {"qkv": (6144, 2048, True), "o": (2048, 2048, False), "shared_gate_up": (11264, 2048, False),
+                  "shared_down": (2048, 5632, False), "router": (64, 2048, False)}
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(QWEN15_LINEARS))
+def test_gemv_gpu_against_float32(name, dtype):
+    from moeserve.ops.linear_triton import gemv
+    n, k, bias = QWEN15_LINEARS[name]
+    gen = torch.Generator(device="cuda").manual_seed(SEED)
+    w = (torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=gen, device="cuda").to(dtype) if bias else None
+    for m in (1, 2, 5, 8, 16):
+        x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            y = gemv(x, w, b)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+        err = float((y.float() - ref).abs().max() / ref.abs().max())
+        assert y.dtype == dtype and err < HALF_REL_TOL, f"seed {SEED}: {name} M={m}: max relative error {err:.3g}"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 4])
+def test_gemv_backend_in_a_cuda_graph(m):
+    """The backend inside a captured graph replays on new inputs as it runs eagerly (bitwise), and a step
+    over ``max_tokens`` rows goes to cuBLAS."""
+    from moeserve.ops.linear_triton import TritonLinear
+    lin = TritonLinear(torch.device("cuda"), torch.bfloat16, max_tokens=4)
+    gen = torch.Generator(device="cuda").manual_seed(SEED + m)
+    w = (torch.randn(6144, 2048, generator=gen, device="cuda") / 2048 ** 0.5).bfloat16()
+    b = torch.randn(6144, generator=gen, device="cuda").bfloat16()
+    x = torch.randn(m, 2048, generator=gen, device="cuda").bfloat16()
+    assert lin.takes(x, w) and not lin.takes(torch.randn(5, 2048, device="cuda").bfloat16(), w)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        lin.linear(x, w, b)  # compile outside the graph
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            out = lin.linear(x, w, b)
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(3):
+        x.copy_(torch.randn(m, 2048, generator=gen, device="cuda").bfloat16())
+        graph.replay()
+        torch.testing.assert_close(out, lin.linear(x, w, b), rtol=0, atol=0)
+        ref = F.linear(x.float(), w.float(), b.float())
+        assert float((out.float() - ref).abs().max() / ref.abs().max()) < HALF_REL_TOL
+
+
+if __name__ == "__main__" and is_worker(sys.argv):
+    _worker(sys.argv[2], sys.argv[3])
