@@ -7,10 +7,10 @@ walks the whole ``K`` of their weight rows, multiplying by every row of ``x`` at
 padded to 16); the bias is added in the epilogue. Steps of more than ``max_tokens`` rows, narrow weights and
 other dtypes run ``F.linear``.
 
-Measured on an H200 (docs/results/2026-12-01-h200-b): inside the decode graph the GEMV's kernels took as long
-as cuBLAS's (1.30 ms per c=1 step for the 96 layer linears, both), and decode throughput did not move, so
-``auto`` does not pick it. What remains is launch and tail latency of ~100 small kernels per step, not the
-GEMM tiles.
+Measured on an H200 (docs/results/2026-12-01-h200-b), with a first tile config (BLOCK_N 16): a c=1 decode
+step's GEMM time went from 1.44 ms (cuBLAS) to 1.57 ms (1.30 ms of it the GEMV, 96 launches), and decode
+throughput at c = 1 to 8 moved by less than the run-to-run spread, so ``auto`` does not pick it. The tile
+sweep's faster configs below were not measured end to end.
 """
 from __future__ import annotations
 
