@@ -160,6 +160,8 @@ class ModelRunner:
         Attention stays outside: FlashInfer's ops are not registered with torch.library, and ``plan()``
         must run on the host between steps. Dynamic shapes keep one compiled graph for every batch size.
         """
+        from moeserve.ops.eager import apply_eager_marks
+        apply_eager_marks()  # the custom kernel launches run eagerly inside the compiled blocks
         for layer in model.layers:
             layer.mlp = torch.compile(layer.mlp, dynamic=True)
 

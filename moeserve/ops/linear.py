@@ -14,6 +14,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from moeserve.ops.eager import eager
 from moeserve.ops.interfaces import LinearBackend
 from moeserve.quant.fp8 import BLOCK, block_scale_shape, fp8_linear_reference
 
@@ -56,8 +57,9 @@ class FlashInferFp8Linear(LinearBackend):
         if dtype != torch.bfloat16:
             raise ValueError(f"linear backend 'flashinfer' (fp8_blockscale_gemm_sm90) writes bfloat16 output; "
                              f"dtype is {str(dtype).removeprefix('torch.')}")
-        from moeserve.kernel_cache import flashinfer_env  # noqa: F401
         from flashinfer.gemm import fp8_blockscale_gemm_sm90
+
+        from moeserve.kernel_cache import flashinfer_env  # noqa: F401
         self._gemm = fp8_blockscale_gemm_sm90
         self.device = device
         self.fallback_shapes: set[tuple[int, int]] = set()
@@ -65,7 +67,7 @@ class FlashInferFp8Linear(LinearBackend):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
-    @torch.compiler.disable  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
+    @eager  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
     def linear_fp8(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
         n, k = weight.shape

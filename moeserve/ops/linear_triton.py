@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moeserve.ops.eager import eager
 from moeserve.ops.interfaces import LinearBackend
 from moeserve.quant.fp8 import fp8_linear_reference
 
@@ -108,7 +109,7 @@ class TritonLinear(LinearBackend):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         return x.is_cuda and self.takes_shape(rows, weight.shape[0], x.dtype, weight.dtype) and weight.is_contiguous()
 
-    @torch.compiler.disable  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
+    @eager  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
     def _gemv(self, x, weight, bias):
         return gemv(x, weight, bias)
 

@@ -15,6 +15,7 @@ import torch
 
 from moeserve.kernel_cache import flashinfer_env  # noqa: F401
 from moeserve.kernel_cache.modules import KernelModule, Target
+from moeserve.ops.eager import eager
 from moeserve.ops.interfaces import MoEBackend
 from moeserve.quant.fp8 import BLOCK
 
@@ -76,7 +77,7 @@ class FlashInferMoE(MoEBackend):
                     swap_halves_(scales.data, inter // BLOCK)
             layer.w13_order = "up_gate"
 
-    @torch.compiler.disable  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
+    @eager  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer,
                 shared=None) -> torch.Tensor:
         out = self._finalized(x, topk_weights, topk_ids, layer)

@@ -23,6 +23,7 @@ import logging
 
 import torch
 
+from moeserve.ops.eager import eager
 from moeserve.ops.interfaces import RoutingBackend
 from moeserve.ops.moe.routing_config import RoutingConfig  # noqa: F401  (its home before; imported from here)
 
@@ -128,13 +129,14 @@ class FusedDeepseekRouter:
     name = "flashinfer_fused_topk_deepseek"
 
     def __init__(self, cfg: RoutingConfig, num_experts: int, device: torch.device):
-        from moeserve.kernel_cache import flashinfer_env  # noqa: F401
         from flashinfer.fused_moe import fused_topk_deepseek
+
+        from moeserve.kernel_cache import flashinfer_env  # noqa: F401
         self._fn = fused_topk_deepseek
         self.cfg = cfg
         self._zero_bias = torch.zeros(num_experts, dtype=torch.float32, device=device)
 
-    @torch.compiler.disable  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
+    @eager  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
     def __call__(self, logits: torch.Tensor, correction_bias: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg

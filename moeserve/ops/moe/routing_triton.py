@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.ops.eager import eager
+
 MAX_EXPERTS = 4096
 MAX_TOPK = 64
 METHODS = ("softmax", "llama4")
@@ -94,7 +96,7 @@ class TritonTopkRouter:
     def __init__(self, cfg):
         self.cfg = cfg
 
-    @torch.compiler.disable  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
+    @eager  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
     def __call__(self, logits: torch.Tensor, correction_bias: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg

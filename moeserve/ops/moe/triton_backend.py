@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from moeserve.ops.eager import eager
 from moeserve.ops.interfaces import MoEBackend
 
 log = logging.getLogger("moeserve")
@@ -44,7 +45,7 @@ class TritonMoE(MoEBackend):
             log.warning("triton MoE: no tuned config for E=%d N=%d H=%d %s on %s; using the default heuristic",
                         e, two_i // 2, h, kind, self._configs.device_name())
 
-    @torch.compiler.disable  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
+    @eager  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer,
                 shared=None) -> torch.Tensor:
         masked = getattr(layer, "expert_ep", (1, 0))[0] > 1  # ids of other ranks' experts are -1
