@@ -39,7 +39,7 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the model's ``generation_config.json`` defaults (temperature, top_p,
-        top_k, min_p) applied, as vLLM's ``--generation-config auto``."""
+        top_k, min_p, and max_new_tokens as max_tokens) applied, as vLLM's ``--generation-config auto``."""
         defaults = generation_defaults(self.engine.source.config_dir, self.config.generation_config)
         return SamplingParams(**defaults)
 

@@ -12,8 +12,10 @@ from moeserve.config import has_tokenizer_files
 
 log = logging.getLogger("moeserve")
 
-# generation_config.json keys applied as request defaults (vLLM's --generation-config auto) -> SamplingParams
-GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p"}
+# generation_config.json keys applied as request defaults (vLLM's --generation-config auto) -> SamplingParams;
+# max_new_tokens is the output limit of a request that sets none (the server also caps it at the context left)
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "max_new_tokens": "max_tokens"}
 UNSUPPORTED_GENERATION_KEYS = ("repetition_penalty",)
 
 

@@ -277,7 +277,8 @@ def _sampling_params(body: SamplingFields, max_tokens: int | None, defaults: dic
     for param, message in body.unsupported():
         raise APIError.bad_param(param, message)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    fallback = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0} | (defaults or {})
+    fallback = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+    fallback |= {k: v for k, v in (defaults or {}).items() if k in fallback}
     given = {name: getattr(body, name) for name in fallback}
     try:
         return SamplingParams(
@@ -301,7 +302,10 @@ def _make_job(state: ServerState, body: SamplingFields, prompts: list[list[int]]
     for k, ids in enumerate(prompts):
         where = prompt_param if len(prompts) == 1 else f"{prompt_param}[{k}]"
         room = max(state.max_model_len - len(ids), 1)  # the default output limit: what is left of the context
-        params = _sampling_params(body, limit if limit is not None else room, state.defaults, **logprob_fields)
+        cap = state.defaults.get("max_tokens")  # generation_config's max_new_tokens bounds every request, as in vLLM
+        wanted = room if limit is None else limit
+        params = _sampling_params(body, wanted if cap is None else min(wanted, cap), state.defaults,
+                                  **logprob_fields)
         try:
             validate_request(ids, params, state.limits, strict_max_tokens=True, where=where)
         except RequestError as e:

@@ -23,7 +23,7 @@ TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfo
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("tiny_api"))
-    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 7,
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 7, "max_new_tokens": 6,
                                                              "repetition_penalty": 1.3}))
     return path
 
@@ -173,9 +173,24 @@ def test_generation_config_defaults_apply_when_the_request_leaves_them_out(serve
     assert any(r["choices"][0]["token_ids"] != ids[0] for r in sampled)
 
 
+def test_generation_config_max_new_tokens_is_the_default_output_limit(server):
+    """max_new_tokens 6 in generation_config.json bounds the output as vLLM does: a chat request without
+    max_tokens (whose limit is otherwise the context left) and a completion asking for 9 stop after 6 tokens;
+    one asking for 4 gets 4."""
+    body = {"prompt": [30, 31, 32], "ignore_eos": True, "return_token_ids": True}
+    asked = httpx.post(server.url + "/v1/completions", json=body | {"max_tokens": 9}).json()
+    assert len(asked["choices"][0]["token_ids"]) == 6 and asked["choices"][0]["finish_reason"] == "length"
+    fewer = httpx.post(server.url + "/v1/completions", json=body | {"max_tokens": 4}).json()
+    assert len(fewer["choices"][0]["token_ids"]) == 4
+    chat = httpx.post(server.url + "/v1/chat/completions",
+                      json={"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}).json()
+    assert chat["usage"]["completion_tokens"] == 6
+
+
 def test_llm_chat_and_defaults_offline(model_dir, server):
     llm = LLM(config=server.config)
     assert llm.get_default_sampling_params().temperature == 0.0 and llm.get_default_sampling_params().top_k == 7
+    assert llm.get_default_sampling_params().max_tokens == 6
     messages = [{"role": "user", "content": "tell me a story"}]
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), chat_template=TEMPLATE)[0]
     want = llm.generate({"prompt_token_ids": server.tokenizer.encode("[user] tell me a story [assistant]",
