@@ -203,6 +203,10 @@ class EngineConfig(_Strict):
     moe_pairwise_max_tokens: int = Field(
         1, ge=0, description="Triton MoE: steps of at most this many tokens skip the expert alignment kernel and "
         "run one row tile per (token, expert) pair; 0 always aligns")
+    moe_fuse_shared_expert: bool = Field(
+        False, description="run the shared expert inside the fused MoE as always-chosen experts (its intermediate "
+        "rows cut into moe_intermediate_size pieces, weighted by its gate): no separate shared-expert GEMMs or "
+        "side stream; one GPU, unquantised weights")
     linear_gemv_max_tokens: int = Field(
         8, ge=0, le=16, description="with backends.linear: triton, steps of at most this many tokens run moeserve's "
         "Triton GEMV instead of cuBLAS; 0 always runs cuBLAS")

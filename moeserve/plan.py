@@ -86,6 +86,7 @@ class RuntimePlan:
         gated = bool(m.shared_expert_intermediate_size and m.shared_expert_gate)
         return {"kernels": moe or routing or gemv > 0, "moe": moe, "routing": m.routing.method if routing else None,
                 "gemv_max_tokens": gemv, "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
+                "fuse_shared_expert": self.config.moe_fuse_shared_expert,
                 "renormalize": m.routing.renormalize, "hidden_size": m.hidden_size, "num_experts": m.num_experts,
                 "moe_intermediate_size": m.moe_intermediate_size, "top_k": m.top_k,
                 "shared_expert": bool(m.shared_expert_intermediate_size),
@@ -141,6 +142,14 @@ def resolve_plan(cfg: EngineConfig, hw: HardwareInfo | None = None, device: torc
                          f"({arch.max_position_embeddings})")
     quantization = engine_quantization(cfg, source.config)
     check_parallel(arch, tp, cfg.enable_expert_parallel, quantization)
+    if cfg.moe_fuse_shared_expert:
+        why = ("the model has no shared expert" if not arch.shared_expert_intermediate_size else
+               f"quantization is {quantization} (needs unquantised experts)" if quantization != "none" else
+               f"tensor_parallel_size is {tp} (needs one GPU)" if tp > 1 else
+               "the shared expert's gate is computed in float32 apart from the router"
+               if arch.shared_expert_gate and arch.router_fp32 else None)
+        if why:
+            raise ValueError(f"moe_fuse_shared_expert: {why}")
     ep = tp if cfg.enable_expert_parallel else 1
     dispatch = "allreduce" if cfg.expert_parallel_dispatch == "auto" else cfg.expert_parallel_dispatch
     parallel = Parallel(tp, rank, ep, rank if ep > 1 else 0, dispatch)

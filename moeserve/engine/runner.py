@@ -147,6 +147,8 @@ class ModelRunner:
                          len(kept), str(self.dtype).removeprefix("torch."), kept[0])
         load_format = load_weights(model, plan.source, cfg.load_format, cfg.seed)
         for block in model.moe_blocks():
+            if cfg.moe_fuse_shared_expert:
+                block.fuse_shared_expert()
             self.ops.routing.prepare(block)
             self.ops.moe.prepare(block)
         if cfg.torch_compile:

@@ -23,7 +23,7 @@ from moeserve.models.arch import ArchConfig
 from moeserve.models.base import Entry, Linear, Ops, empty_param, is_fp8_ops, tp_shard
 from moeserve.models.parallel import MoEParallel, Shard, local_experts, local_heads, padded_vocab
 from moeserve.ops.moe.combine import SharedExpertOutput
-from moeserve.ops.moe.routing import select_experts
+from moeserve.ops.moe.routing import append_shared, select_experts
 from moeserve.quant.fp8 import FP8_DTYPE, block_scale_shape
 from moeserve.quant.moe_ref import experts_fp8_reference
 
@@ -161,17 +161,54 @@ class SparseMoE(nn.Module):
             if arch.shared_expert_gate and not self.shared_gate_in_router:
                 self.shared_expert_gate = Linear(ops, h, 1, False, dtype, device)
         self.moe_parallel = MoEParallel(p, e, device, ops.moe.maps_expert_ids) if p.is_parallel else None
+        self.fused_shared = 0  # shared-expert pieces appended to the routed experts (fuse_shared_expert)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(weights float32 [T, k], ids int32 [T, k], shared-expert gate logit [T, 1] or None)`` for the
-        tokens ``x``; the gate logit is there when the router's GEMM computed it."""
+        tokens ``x``; the gate logit is there when the router's GEMM computed it. With the shared expert fused
+        (``fuse_shared_expert``), ``k`` grows by its pieces: ids ``E ..``, weights its gate (or 1)."""
         logits = self.gate(x.float() if self.router_fp32 else x)
         gate_logit = None
         if self.shared_gate_in_router:
             logits, gate_logit = logits[:, :self.num_experts], logits[:, self.num_experts:self.num_experts + 1]
+        if self.fused_shared and self.router is not None and self.router.appends_shared:
+            return (*self.router(logits, self.correction_bias, shared=self.fused_shared,
+                                 gated=gate_logit is not None), None)
         if self.router is not None:
-            return (*self.router(logits, self.correction_bias), gate_logit)
-        return (*select_experts(logits, self.routing, self.correction_bias), gate_logit)
+            weights, ids = self.router(logits, self.correction_bias)
+        else:
+            weights, ids = select_experts(logits, self.routing, self.correction_bias)
+        if self.fused_shared:
+            return (*append_shared(weights, ids, gate_logit, self.num_experts, self.fused_shared), None)
+        return weights, ids, gate_logit
+
+    @torch.no_grad()
+    def fuse_shared_expert(self) -> int:
+        """Append the shared expert to the routed experts as ``ceil(S / I)`` pieces of the expert intermediate
+        size ``I`` (the last zero-padded; SwiGLU acts row by row, so the pieces' outputs sum to the shared
+        expert's), chosen for every token with its gate as weight (1 without a gate). Returns the pieces."""
+        if self.shared_expert is None or self.fused_shared:
+            return self.fused_shared
+        if self.w13_scale_inv is not None or self.shared_expert_gate is not None or self.moe_parallel is not None:
+            raise ValueError("moe_fuse_shared_expert: needs unquantised experts, one GPU and the shared expert's "
+                             "gate (if any) in the router")
+        i = self.intermediate
+        gate_up, down = self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight
+        s = down.shape[1]
+        pieces = -(-s // i)
+        pad = pieces * i - s
+        g, u = gate_up[:s], gate_up[s:]
+        if pad:
+            g, u = F.pad(g, (0, 0, 0, pad)), F.pad(u, (0, 0, 0, pad))
+            down = F.pad(down, (0, pad))
+        h = down.shape[0]
+        w13 = torch.cat([g.view(pieces, i, -1), u.view(pieces, i, -1)], dim=1)  # [pieces, 2I, H]
+        w2 = down.view(h, pieces, i).transpose(0, 1)  # [pieces, H, I]
+        self.w13 = nn.Parameter(torch.cat([self.w13.data, w13.to(self.w13.dtype)]), requires_grad=False)
+        self.w2 = nn.Parameter(torch.cat([self.w2.data, w2.to(self.w2.dtype)]).contiguous(), requires_grad=False)
+        self.shared_expert = None
+        self.fused_shared = pieces
+        return pieces
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = None

@@ -190,6 +190,8 @@ def meta_moe_layer(plan):
     ops = Ops(linear=TorchLinear(meta, dtype), norm=TorchNorm(), activation=TorchActivation(), moe=moe,
               rope_cls=TorchRope, quantization=plan.quantization)
     layer = SparseMoE(ops, plan.arch, dtype, meta)
+    if fp["fuse_shared_expert"]:
+        layer.fuse_shared_expert()
     if fp["routing"]:
         layer.router, layer.routing_impl = TritonTopkRouter(plan.arch.routing), TritonTopkRouter.name
     moe.prepare(layer)

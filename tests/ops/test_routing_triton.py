@@ -79,12 +79,20 @@ def make_full(T, E, dtype, extra, gen, device="cpu"):
     """``[T, E + extra]`` random logits; ``[:, :E]`` of it is strided like the merged router GEMM's output."""
     return (torch.randn(T, E + extra, generator=gen, device=device) * 2).to(dtype)
 
+# a fused shared expert's columns: name: (T, E, k, method, renormalize, pieces, gated, extra columns)
+SHARED_CASES = {
+    "qwen15-gated": (6, 60, 4, "softmax", False, 4, True, 4),
+    "ungated-renorm": (3, 16, 2, "softmax", True, 3, False, 0),
+}
+
 
 def _interpreter_worker(in_path: str, out_path: str) -> None:
     patch_for_numpy()
     from moeserve.ops.moe.routing_triton import topk_route
     inputs = torch.load(in_path)
     out = {}
+    for name, (full, e, k, method, renorm, shared, gated) in inputs.pop("_shared").items():
+        out["shared-" + name] = topk_route(full[:, :e], method, k, renorm, shared=shared, gated=gated)
     for name, (full, e, k, method, renorm) in inputs.items():
         out[name] = topk_route(full[:, :e], method, k, renorm)
     out["ties"] = topk_route(torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0]]), "softmax", 2, False)
@@ -97,6 +105,8 @@ def interpreted(tmp_path_factory):
     inputs = {}
     for name, (T, E, k, method, renorm, dtype, extra) in CPU_CASES.items():
         inputs[name] = (make_full(T, E, dtype, extra, gen), E, k, method, renorm)
+    inputs["_shared"] = {name: (make_full(T, E, torch.float32, extra, gen), E, k, method, renorm, shared, gated)
+                         for name, (T, E, k, method, renorm, shared, gated, extra) in SHARED_CASES.items()}
     return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("route"), SEED, timeout=300)
 
 
@@ -106,6 +116,21 @@ def test_topk_route_interpreter(interpreted, name):
     full, e, k, method, renorm = inputs[name]
     w, ids = outputs[name]
     check(full[:, :e], w, ids, method, k, renorm)
+
+
+@pytest.mark.parametrize("name", list(SHARED_CASES))
+def test_topk_route_appends_the_fused_shared_expert(interpreted, name):
+    """The routed columns as without sharing; then ids E.. and the sigmoid of the gate logit (column E of the
+    same rows) or 1."""
+    inputs, outputs = interpreted
+    full, e, k, method, renorm, shared, gated = inputs["_shared"][name]
+    w, ids = outputs["shared-" + name]
+    t = full.shape[0]
+    assert w.shape == ids.shape == (t, k + shared)
+    check(full[:, :e], w[:, :k].contiguous(), ids[:, :k].contiguous(), method, k, renorm)
+    assert torch.equal(ids[:, k:], torch.arange(e, e + shared, dtype=ids.dtype).expand(t, shared))
+    want = torch.sigmoid(full[:, e:e + 1].float()) if gated else torch.ones(t, 1)
+    torch.testing.assert_close(w[:, k:], want.expand(t, shared), rtol=RTOL, atol=ATOL)
 
 
 def test_equal_logits_choose_the_lowest_index_first(interpreted):

@@ -75,6 +75,16 @@ def select_experts(logits: torch.Tensor, cfg: RoutingConfig, correction_bias: to
     return llama4_topk(logits, cfg.top_k)
 
 
+def append_shared(weights: torch.Tensor, ids: torch.Tensor, gate_logit: torch.Tensor | None, num_experts: int,
+                  pieces: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A shared expert fused into the routed experts (``SparseMoE.fuse_shared_expert``): every token also
+    picks its ``pieces`` (ids ``num_experts ..``), weighted by ``sigmoid(gate_logit)`` or 1."""
+    t = ids.shape[0]
+    extra = torch.arange(num_experts, num_experts + pieces, dtype=ids.dtype, device=ids.device).expand(t, pieces)
+    w = torch.sigmoid(gate_logit.float()) if gate_logit is not None else weights.new_ones((t, 1))
+    return torch.cat([weights, w.expand(t, pieces).to(weights.dtype)], 1), torch.cat([ids, extra], 1)
+
+
 # --- DeepSeek-V3 routing on the GPU: FlashInfer's fused kernel ------------------------------------
 
 FUSED_DEEPSEEK_CAPABILITIES = ((8, 9), (9, 0), (10, 0), (10, 3), (12, 0), (12, 1))
@@ -127,6 +137,7 @@ class FusedDeepseekRouter:
     [T, k], ids int32 [T, k])`` out, no host synchronisation (capturable in a CUDA graph)."""
 
     name = "flashinfer_fused_topk_deepseek"
+    appends_shared = False  # a fused shared expert's columns are appended after it (append_shared)
 
     def __init__(self, cfg: RoutingConfig, num_experts: int, device: torch.device):
         from flashinfer.fused_moe import fused_topk_deepseek

@@ -27,7 +27,8 @@ METHODS = ("softmax", "llama4")
 
 @triton.jit
 def _topk_route_kernel(logits_ptr, stride_t, weights_ptr, ids_ptr, E, K: tl.constexpr, BLOCK_E: tl.constexpr,
-                       BLOCK_K: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr):
+                       BLOCK_K: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr,
+                       SHARED: tl.constexpr = 0, GATED: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     valid = offs < E
@@ -52,8 +53,16 @@ def _topk_route_kernel(logits_ptr, stride_t, weights_ptr, ids_ptr, E, K: tl.cons
             w = e / tl.sum(tl.where(valid, tl.exp(x - top), 0.0), axis=0)
     else:
         w = tl.sigmoid(chosen)
-    tl.store(weights_ptr + t * K + slots, w, mask=in_k)
-    tl.store(ids_ptr + t * K + slots, ids, mask=in_k)
+    if SHARED > 0:  # the fused shared expert's pieces: ids E.., weight sigmoid(gate logit at column E) or 1
+        if GATED:
+            shared_w = tl.sigmoid(tl.load(logits_ptr + t * stride_t + E).to(tl.float32))
+        else:
+            shared_w = 1.0
+        is_shared = (slots >= K) & (slots < K + SHARED)
+        w = tl.where(is_shared, shared_w, w)
+        ids = tl.where(is_shared, E + slots - K, ids)
+    tl.store(weights_ptr + t * (K + SHARED) + slots, w, mask=slots < K + SHARED)
+    tl.store(ids_ptr + t * (K + SHARED) + slots, ids, mask=slots < K + SHARED)
 
 
 def unsupported(method: str, num_experts: int, top_k: int) -> str | None:
@@ -67,23 +76,30 @@ def unsupported(method: str, num_experts: int, top_k: int) -> str | None:
     return None
 
 
-def topk_route(logits: torch.Tensor, method: str, top_k: int, renormalize: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_route(logits: torch.Tensor, method: str, top_k: int, renormalize: bool = False, shared: int = 0,
+               gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights float32 [T, k], ids int32 [T, k])`` for ``logits [T, E]`` (any float dtype; its last
-    dimension contiguous), as ``routing.softmax_topk`` / ``routing.llama4_topk`` compute them."""
+    dimension contiguous), as ``routing.softmax_topk`` / ``routing.llama4_topk`` compute them.
+
+    ``shared``: append that many columns for a fused shared expert (``routing.append_shared``): ids ``E ..
+    E + shared - 1``, weight the sigmoid of the gate logit in column ``E`` of the same rows of the underlying
+    tensor (``gated``, the router GEMM merged with the gate) or 1."""
     t, e = logits.shape
     why = unsupported(method, e, top_k)
     if why is not None:
         raise ValueError(f"Triton routing: {why}")
+    if gated and (logits.stride(1) != 1 or logits.stride(0) < e + 1):
+        raise ValueError("Triton routing: a gated shared expert needs the gate logit in column E of the logits' rows")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
+    width = top_k + shared
+    weights = torch.empty((t, width), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, width), dtype=torch.int32, device=logits.device)
     if t:
         block_e = triton.next_power_of_2(e)
         _topk_route_kernel[(t,)](logits, logits.stride(0), weights, ids, e, K=top_k, BLOCK_E=block_e,
-                                 BLOCK_K=triton.next_power_of_2(top_k), SOFTMAX=method == "softmax",
-                                 RENORM=renormalize, num_warps=1 if block_e <= 128 else 4)
+                                 BLOCK_K=triton.next_power_of_2(width), SOFTMAX=method == "softmax",
+                                 RENORM=renormalize, SHARED=shared, GATED=gated, num_warps=1 if block_e <= 128 else 4)
     return weights, ids
 
 
@@ -92,12 +108,13 @@ class TritonTopkRouter:
     :func:`topk_route`."""
 
     name = "triton_topk"
+    appends_shared = True  # writes a fused shared expert's columns itself (``shared``, ``gated``)
 
     def __init__(self, cfg):
         self.cfg = cfg
 
     @eager  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
-    def __call__(self, logits: torch.Tensor, correction_bias: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, logits: torch.Tensor, correction_bias: torch.Tensor | None = None, shared: int = 0,
+                 gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
-        return topk_route(logits, c.method, c.top_k, c.renormalize)
+        return topk_route(logits, c.method, c.top_k, c.renormalize, shared, gated)

@@ -31,6 +31,7 @@ class TritonMoE(MoEBackend):
 
     def prepare(self, layer) -> None:
         e, two_i, h = layer.w13.shape
+        e -= layer.fused_shared  # a fused shared expert's pieces are not in the tuned tables' expert count
         fp8 = layer.w13_scale_inv is not None
         shape = (e, two_i // 2, h, fp8)
         if shape in self.untuned:
@@ -52,6 +53,11 @@ class TritonMoE(MoEBackend):
         if layer.w13_scale_inv is not None:
             return self._fp8.fused_moe_fp8(x, layer.w13, layer.w13_scale_inv, layer.w2, layer.w2_scale_inv,
                                            topk_weights, topk_ids, shared=shared, masked_ids=masked)
-        return self._kernels.fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, shared=shared,
+        config = None
+        if layer.fused_shared:  # the tile table of the routed experts (E, top-k) serves the extended ones
+            e, two_i, h = layer.w13.shape
+            config = self._configs.get_config(x.shape[0], e - layer.fused_shared, two_i // 2, h, layer.top_k,
+                                              x.dtype)[0] if x.shape[0] else None
+        return self._kernels.fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, config=config, shared=shared,
                                        masked_ids=masked, pairwise_max_tokens=self.pairwise_max_tokens)
 

@@ -1,0 +1,69 @@
+"""The shared expert run inside the fused MoE (``moe_fuse_shared_expert``): its intermediate rows cut into
+pieces of the routed experts' size (the last zero-padded), chosen for every token with the shared expert's
+gate as weight. It must compute the same MoE block and the same model as the shared expert run apart.
+
+CPU: float32, torch backends, a Qwen2-MoE checkpoint (gated shared expert of 80 rows over experts of 32: three
+pieces, 16 rows of padding) and a GLM-4.5 one (ungated shared expert, DeepSeek routing). GPU (``-m gpu``): the
+Triton router writing the shared columns and the fused MoE kernel, in float32, against the unfused engine.
+"""
+import pytest
+import torch
+
+from hf_models import make_checkpoint
+from lockstep import lockstep
+from moeserve import LLM
+
+COS_FP32 = 0.99999  # float32: the pieces change only the order of the down projection's sums
+
+
+def _engine(path, fused: bool, **kw):
+    return LLM(model=str(path), dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+               moe_fuse_shared_expert=fused, **kw).engine
+
+
+@pytest.mark.parametrize("kind,pieces", [("qwen2_moe", 3), ("glm4_moe", 1)])
+def test_a_fused_block_computes_the_unfused_block(tmp_path, kind, pieces):
+    make_checkpoint(kind, tmp_path)
+    plain, fused = _engine(tmp_path, False, device="cpu"), _engine(tmp_path, True, device="cpu")
+    a, b = plain.runner.model.moe_blocks()[0], fused.runner.model.moe_blocks()[0]
+    assert a.fused_shared == 0 and a.shared_expert is not None
+    assert b.fused_shared == pieces and b.shared_expert is None
+    assert b.w13.shape[0] == a.w13.shape[0] + pieces and b.w2.shape[0] == a.w2.shape[0] + pieces
+    x = torch.randn(9, a.w13.shape[2], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        w, ids, _ = b.route(x)
+        assert ids.shape[1] == a.top_k + pieces
+        assert torch.equal(ids[:, a.top_k:], torch.arange(a.num_experts, a.num_experts + pieces).expand(9, -1).to(ids))
+        torch.testing.assert_close(b(x), a(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_fused_engine_follows_the_unfused_one(tmp_path):
+    make_checkpoint("qwen2_moe", tmp_path)
+    prompts = [[5, 9, 31, 77, 120, 3], [200, 17, 4], list(range(40, 61))]
+    r = lockstep(_engine(tmp_path, True, device="cpu"), _engine(tmp_path, False, device="cpu"), prompts, 8)
+    assert r.agreement == 1.0 and r.worst > COS_FP32, (r.agreement, r.worst)
+
+
+def test_fusing_is_refused_by_name_where_it_cannot_apply(tmp_path):
+    make_checkpoint("qwen3_moe", tmp_path)
+    with pytest.raises(ValueError, match="moe_fuse_shared_expert: the model has no shared expert"):
+        _engine(tmp_path, True, device="cpu")
+
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@gpu
+@needs_cuda
+def test_fused_shared_expert_on_the_gpu_follows_the_unfused_engine(tmp_path):
+    """The Triton router appends the gated shared columns, the Triton MoE runs E + 3 experts (one-token steps
+    pairwise, larger ones aligned), CUDA graphs on; against the unfused engine on the same backends."""
+    make_checkpoint("qwen2_moe", tmp_path)
+    fast = _engine(tmp_path, True, device="cuda")
+    ref = _engine(tmp_path, False, device="cuda")
+    block = fast.runner.model.moe_blocks()[0]
+    assert fast.runner.backend_names["moe"] == "triton" and block.router is not None and block.router.appends_shared
+    prompts = [[5, 9, 31, 77, 120, 3], [200, 17, 4], list(range(40, 61))]
+    r = lockstep(fast, ref, prompts, 8)
+    assert r.agreement == 1.0 and r.worst > 0.9999 and r.graph_steps > 0, (r.agreement, r.worst, r.graph_steps)
