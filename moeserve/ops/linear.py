@@ -57,9 +57,8 @@ class FlashInferFp8Linear(LinearBackend):
         if dtype != torch.bfloat16:
             raise ValueError(f"linear backend 'flashinfer' (fp8_blockscale_gemm_sm90) writes bfloat16 output; "
                              f"dtype is {str(dtype).removeprefix('torch.')}")
+        from moeserve.kernel_cache import flashinfer_env  # noqa: F401  (before flashinfer: it sets its JIT env)
         from flashinfer.gemm import fp8_blockscale_gemm_sm90
-
-        from moeserve.kernel_cache import flashinfer_env  # noqa: F401
         self._gemm = fp8_blockscale_gemm_sm90
         self.device = device
         self.fallback_shapes: set[tuple[int, int]] = set()

@@ -140,9 +140,8 @@ class FusedDeepseekRouter:
     appends_shared = False  # a fused shared expert's columns are appended after it (append_shared)
 
     def __init__(self, cfg: RoutingConfig, num_experts: int, device: torch.device):
+        from moeserve.kernel_cache import flashinfer_env  # noqa: F401  (before flashinfer: it sets its JIT env)
         from flashinfer.fused_moe import fused_topk_deepseek
-
-        from moeserve.kernel_cache import flashinfer_env  # noqa: F401
         self._fn = fused_topk_deepseek
         self.cfg = cfg
         self._zero_bias = torch.zeros(num_experts, dtype=torch.float32, device=device)
