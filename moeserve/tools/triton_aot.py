@@ -174,11 +174,18 @@ def tuned_tables_for(device_name: str):
         clear()
 
 
-def meta_moe_layer(plan):
-    """The model's MoE layer on ``meta`` with the plan's Triton paths (MoE and routing kernels)."""
-    from moeserve.models.layers import Ops, SparseMoE
+def _meta_ops(plan, moe):
+    """The torch reference operators on ``meta`` (the linears run through the torch backend) with ``moe``."""
+    from moeserve.models.layers import Ops
     from moeserve.ops.basic import TorchActivation, TorchNorm, TorchRope
     from moeserve.ops.linear import TorchLinear
+    return Ops(linear=TorchLinear(torch.device("meta"), plan.dtype), norm=TorchNorm(), activation=TorchActivation(),
+               moe=moe, rope_cls=TorchRope, quantization=plan.quantization)
+
+
+def meta_moe_layer(plan):
+    """The model's MoE layer on ``meta`` with the plan's Triton paths (MoE and routing kernels)."""
+    from moeserve.models.layers import SparseMoE
     from moeserve.ops.moe.routing_triton import TritonTopkRouter
     from moeserve.ops.moe.torch_ref import TorchMoE
     from moeserve.ops.moe.triton_backend import TritonMoE
@@ -187,9 +194,7 @@ def meta_moe_layer(plan):
     moe = TritonMoE(meta, dtype) if fp["moe"] else TorchMoE(meta, dtype)
     if fp["moe"]:
         moe.pairwise_max_tokens = fp["moe_pairwise_max_tokens"]
-    ops = Ops(linear=TorchLinear(meta, dtype), norm=TorchNorm(), activation=TorchActivation(), moe=moe,
-              rope_cls=TorchRope, quantization=plan.quantization)
-    layer = SparseMoE(ops, plan.arch, dtype, meta)
+    layer = SparseMoE(_meta_ops(plan, moe), plan.arch, dtype, meta)
     if fp["fuse_shared_expert"]:
         layer.fuse_shared_expert()
     if fp["routing"]:
@@ -201,16 +206,12 @@ def meta_moe_layer(plan):
 def meta_linear_shapes(plan) -> list[tuple[int, int, bool, torch.dtype]]:
     """``(N, K, bias, dtype)`` of every distinct linear of the model (built on ``meta``) that runs through the
     linear backend."""
-    from moeserve.models.base import Linear, Ops
+    from moeserve.models.base import Linear
     from moeserve.models.layers import MoECausalLM
-    from moeserve.ops.basic import TorchActivation, TorchNorm, TorchRope
-    from moeserve.ops.linear import TorchLinear
     from moeserve.ops.moe.torch_ref import TorchMoE
     meta, dtype = torch.device("meta"), plan.dtype
-    ops = Ops(linear=TorchLinear(meta, dtype), norm=TorchNorm(), activation=TorchActivation(),
-              moe=TorchMoE(meta, dtype), rope_cls=TorchRope, quantization=plan.quantization)
     shapes = set()
-    for mod in MoECausalLM(plan.arch, ops, dtype, meta).modules():
+    for mod in MoECausalLM(plan.arch, _meta_ops(plan, TorchMoE(meta, dtype)), dtype, meta).modules():
         if isinstance(mod, Linear) and mod.weight_scale_inv is None:
             n, k = mod.weight.shape
             shapes.add((n, k, mod.bias is not None, mod.weight.dtype))
