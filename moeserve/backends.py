@@ -95,7 +95,7 @@ SPECS: dict[str, list[BackendSpec]] = {
                     "moeserve.ops.linear:flashinfer_modules"),
         BackendSpec("linear", "torch", "moeserve.ops.linear:TorchLinear", Requirements(),
                     "torch matmul (cuBLAS on GPU)"),
-        # after torch: auto never picks it (it measured level with cuBLAS on an H200, not faster)
+        # after torch: auto never picks it (on an H200 it was no faster than cuBLAS)
         BackendSpec("linear", "triton", "moeserve.ops.linear_triton:TritonLinear",
                     Requirements(cuda=True, min_capability=(8, 0), packages=("triton",), quantization=("none",),
                                  dtypes=_HALF),
