@@ -3,6 +3,9 @@ block-FP8) or dummy random init.
 
 The model lists every checkpoint tensor it expects (``checkpoint_entries``); loading copies each one into
 its place and checks the shape. A missing tensor or a shape mismatch is an error that names the tensor.
+A tensor stored in its parameter's dtype and read whole is a byte copy from the file to the device
+(``moeserve.weight_reader``: parallel reads into pinned buffers, overlapped with the copies); the others go
+through safetensors' reader.
 On several ranks an entry names the part of the tensor this rank holds (``Entry.shard``): only that part is
 read from the file (``safe_open(...).get_slice(name)[rows]``), with the matching block scales of an FP8
 tensor; tensors of experts another rank holds are not read at all.
@@ -23,6 +26,7 @@ from moeserve.models.parallel import Shard
 from moeserve.progress import progress_bar
 from moeserve.quant.fp8 import block_scale_shape
 from moeserve.quant.loading import SCALE_SUFFIX, Fp8Placer, is_fp8, quantize_param_
+from moeserve.weight_reader import ByteReader, ReadError, Span, read_header
 
 if TYPE_CHECKING:  # the model's layers load torch.compile's machinery: not needed to check the files
     from moeserve.models.layers import MoECausalLM
@@ -104,6 +108,7 @@ def load_checkpoint(model: MoECausalLM, weights_dir: str | Path, progress: bool 
     unexpected: list[str] = []
     placer = Fp8Placer()
     files = checkpoint_files(weights_dir)
+    device = next(model.parameters()).device
     with ExitStack() as stack:
         where, shards = {}, []
         for path in files:
@@ -111,8 +116,14 @@ def load_checkpoint(model: MoECausalLM, weights_dir: str | Path, progress: bool 
             shards.append((path, f))
             for name in f.keys():
                 where[name] = f
+        reader = ByteReader(device)
+        stack.callback(reader.finish)
         advance = stack.enter_context(progress_bar("Loading safetensors shards", len(shards), enabled=progress))
         for path, f in shards:
+            try:
+                spans = read_header(path)
+            except ReadError as e:
+                raise WeightError(f"{e}; download it again") from None
             for name in f.keys():
                 if where[name] is not f or (name.endswith(SCALE_SUFFIX) and name[:-len(SCALE_SUFFIX)] in where):
                     continue  # a duplicate read from its last shard; a scale read together with its weight
@@ -132,11 +143,19 @@ def load_checkpoint(model: MoECausalLM, weights_dir: str | Path, progress: bool 
                         part = " (this rank's part)" if entry.shard is not None else ""
                         raise WeightError(f"checkpoint tensor {name!r} has shape {list(shape)}{part} but the model "
                                           f"({model_type}) expects {list(target.shape)}")
-                    _load_tensor(placer, entry, target, name, read_part(f, name, entry.shard), where, full)
+                    span = spans.get(name)
+                    if _plain_copy(entry, target, span):
+                        reader.add(name, span.begin, span.end, target)  # read below with the rest of this file
+                    else:
+                        _load_tensor(placer, entry, target, name, read_part(f, name, entry.shard), where, full)
                 except SafetensorError as e:
                     raise WeightError(f"{path}: cannot read tensor {name!r} ({e}); download it again") from None
                 loaded.add(key)
                 loaded.update(entry.covers)
+            try:
+                reader.read_file(path)
+            except ReadError as e:
+                raise WeightError(f"{e}; download it again") from None
             advance()
     required = {name for name, e in entries.items() if not e.covers and e.param is not None}
     missing = sorted(required - loaded)
@@ -146,6 +165,13 @@ def load_checkpoint(model: MoECausalLM, weights_dir: str | Path, progress: bool 
     if unexpected:
         log.warning("ignored %d checkpoint tensor(s) the model does not use, e.g. %s", len(unexpected), unexpected[:3])
     return {"loaded": len(loaded), "ignored": len(unexpected)}
+
+
+def _plain_copy(entry, target: torch.Tensor, span: Span | None) -> bool:
+    """Whether a checkpoint tensor is a byte copy into ``target``: read whole, stored in the parameter's dtype,
+    neither side FP8 (whose block scales travel with it)."""
+    return (span is not None and entry.shard is None and span.dtype == target.dtype and not is_fp8(target)
+            and target.is_contiguous() and span.end - span.begin == target.numel() * target.element_size())
 
 
 def _part_shape(name: str, full: tuple[int, ...], shard: Shard | None) -> tuple[int, ...]:

@@ -29,12 +29,25 @@ from moeserve.plan import resolve_plan
 
 log = logging.getLogger("moeserve")
 
+
+def describe_phases(phases: dict[str, float], weights_bytes: int) -> str:
+    """One line of the start's parts, the weights with their read rate."""
+    parts = []
+    for name, sec in phases.items():
+        text = f"{name.replace('_', ' ')} {sec:.2f} s"
+        if name == "weights" and sec > 0:
+            text += f" ({weights_bytes / 1e9:.1f} GB, {weights_bytes / 1e9 / sec:.1f} GB/s)"
+        parts.append(text)
+    return ", ".join(parts)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, capture_graphs: bool = True):
         t0 = time.perf_counter()
         self.config = config
         self.plan = resolve_plan(config)
         self.source, self.hardware = self.plan.source, self.plan.hardware
+        t_plan = time.perf_counter() - t0
         if config.world_size > 1:  # one process per GPU; rank 0 here
             from moeserve.engine.workers import ParallelExecutor
             self.runner = ParallelExecutor(self.plan)
@@ -44,7 +57,9 @@ class LLMEngine:
         self.max_model_len = self.plan.max_model_len
         self.pool = KVCacheManager(self.runner.kv.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        t_tok = time.perf_counter()
         self.tokenizer = load_tokenizer(self.source.config_dir)
+        t_tok = time.perf_counter() - t_tok
         eos = set(self.arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -61,9 +76,11 @@ class LLMEngine:
             self.runner.capture_graphs(config.graph_batch_sizes())
         self.runner.warm_up()
         self.ready_seconds = time.perf_counter() - t0
+        self.startup_phases = {"plan": round(t_plan, 3), **self.runner.startup_phases, "tokenizer": round(t_tok, 3)}
         log.info("engine ready in %.1f s: %s on %s, %s, backends %s, %d KV pages of %d tokens",
                  self.ready_seconds, self.source.name, self.runner.device, str(self.runner.dtype).removeprefix("torch."),
                  self.runner.backend_names, self.pool.capacity, self.pool.page_size)
+        log.info("start-up: %s", describe_phases(self.startup_phases, self.runner.weights_bytes))
         if self.runner.device.type == "cuda":
             from moeserve.engine.kernels import kernels_summary
             log.info("%s", kernels_summary())
@@ -209,6 +226,7 @@ class LLMEngine:
             "max_model_len": self.max_model_len, "cuda_graph_batch_sizes": r.graphs.sizes if r.graphs else [],
             "init_seconds": r.init_seconds, "load_seconds": r.load_seconds,
             "graph_capture_seconds": r.graph_capture_seconds, "ready_seconds": self.ready_seconds,
+            "startup_phases": dict(self.startup_phases), "weights_bytes": r.weights_bytes,
             "enable_prefix_caching": self.pool.enable_caching,
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "enable_expert_parallel": self.config.enable_expert_parallel,

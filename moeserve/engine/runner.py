@@ -86,14 +86,18 @@ class ModelRunner:
         self.num_heads, self.num_kv_heads, _ = local_heads(self.arch, self.parallel)  # this rank's
         self.copies_tokens = True  # copy sampled tokens to the host (ranks other than 0 have no use for them)
         self.free_at_start = 0
+        # Seconds of each part of the start, in order (``startup_phases``; the engine adds its own).
+        self.startup_phases: dict[str, float] = {}
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             self.free_at_start = torch.cuda.mem_get_info(self.device)[0]  # before this engine allocates
+        self._phase("cuda_init", t_start)
+        t = time.perf_counter()
         self.kernel_cache = prepare_kernels(plan)
         self.backend_names = plan.backend_names
         self.ops = self._build_ops()
+        t0 = self._phase("kernel_cache_and_ops", t)
 
-        t0 = time.perf_counter()
         self.model, self.load_format, self.high_precision_modules = self._load_model()
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.load_seconds = time.perf_counter() - t0
@@ -102,6 +106,7 @@ class ModelRunner:
         self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
         self.activation_peak_bytes = 0
         num_pages = self._num_kv_pages()
+        t = time.perf_counter()
         self.kv = KVCache(self.arch.num_layers, num_pages, self.page_size, self.num_kv_heads,
                           self.arch.head_dim, self.dtype, self.device)
         self.ops.attention = self._make_attention(self.kv)
@@ -113,7 +118,14 @@ class ModelRunner:
         self._last: LaunchedStep | None = None  # the last launched step, whose tokens in-flight inputs read
         self.graph_capture_seconds = 0.0
         self.graph_memory_bytes = 0
+        self._phase("kv_cache", t)
         self.init_seconds = time.perf_counter() - t_start
+
+    def _phase(self, name: str, since: float) -> float:
+        """Record ``name`` as the seconds since ``since``; returns now."""
+        now = time.perf_counter()
+        self.startup_phases[name] = round(now - since, 3)
+        return now
 
     # --- set-up --------------------------------------------------------------------------------
     def _build_ops(self) -> Ops:
@@ -135,6 +147,7 @@ class ModelRunner:
         """The model with its weights in place and every MoE layer prepared by the routing and MoE backends;
         also the load format used and the FP8 checkpoint's linears kept in high precision."""
         plan, cfg = self.plan, self.cfg
+        t = time.perf_counter()
         torch.manual_seed(cfg.seed)
         model = MoECausalLM(self.arch, self.ops, self.dtype, self.device)
         kept = []
@@ -145,7 +158,11 @@ class ModelRunner:
             if kept:
                 log.info("FP8: %d linears stay in %s as the checkpoint's quantization_config says (%s, ...)",
                          len(kept), str(self.dtype).removeprefix("torch."), kept[0])
+        t = self._phase("build_model", t)
         load_format = load_weights(model, plan.source, cfg.load_format, cfg.seed)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t = self._phase("weights", t)
         for block in model.moe_blocks():
             if cfg.moe_fuse_shared_expert:
                 block.fuse_shared_expert()
@@ -153,6 +170,7 @@ class ModelRunner:
             self.ops.moe.prepare(block)
         if cfg.torch_compile:
             self._compile_mlps(model)
+        self._phase("prepare_moe", t)
         return model, load_format, kept
 
     @staticmethod
@@ -180,7 +198,9 @@ class ModelRunner:
         elif cfg.kv_cache_gb is not None:
             pages = int(cfg.kv_cache_gb * (1 << 30)) // per_page
         elif self.device.type == "cuda":
+            t = time.perf_counter()
             self.activation_peak_bytes = self._profile_activations()
+            self._phase("activation_profile", t)
             free, total = torch.cuda.mem_get_info(self.device)
             budget = kv_budget_bytes(cfg.gpu_memory_utilization, total, self.free_at_start, free,
                                      self.activation_peak_bytes)
@@ -238,6 +258,7 @@ class ModelRunner:
         self.graphs.capture(progress=progress)
         torch.cuda.synchronize(self.device)
         self.graph_capture_seconds = time.perf_counter() - t0
+        self.startup_phases["cuda_graphs"] = round(self.graph_capture_seconds, 3)
         self.graph_memory_bytes = max(0, free0 - torch.cuda.mem_get_info(self.device)[0])
         log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s; they hold %.0f MiB",
                  len(self.graphs.sizes), self.graphs.sizes, self.graph_capture_seconds, self.graph_memory_bytes / 2**20)
@@ -274,6 +295,7 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions)
             self.model.compute_logits(hidden[batch.logits_indices])
         torch.cuda.synchronize(self.device)
+        self._phase("warm_up", t0)
         log.info("warm-up: the MoE block at %d step sizes and one step of %d tokens in %.2f s",
                  len(sizes or []), n, time.perf_counter() - t0)
 

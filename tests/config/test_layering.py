@@ -16,7 +16,7 @@ LAYERS = [
     ("kernel-cache runtime", ["moeserve.kernel_cache"]),
     ("ops", ["moeserve.ops"]),
     ("models", ["moeserve.models"]),
-    ("weights and plan", ["moeserve.weights", "moeserve.plan"]),
+    ("weights and plan", ["moeserve.weights", "moeserve.weight_reader", "moeserve.plan"]),
     ("engine", ["moeserve.engine"]),
     ("server, bench, tools", ["moeserve.server", "moeserve.bench", "moeserve.tools"]),
     ("cli", ["moeserve.cli", "moeserve.preflight"]),

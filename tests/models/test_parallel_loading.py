@@ -63,9 +63,16 @@ def rank_model(path, rank: int, expert_parallel: bool) -> MoECausalLM:
 
 
 def spied_load(monkeypatch, model, path) -> list:
+    """Load, logging each tensor read: through safetensors (a whole tensor or slices) or as a byte copy."""
     log = []
     real = weights_mod.safe_open
     monkeypatch.setattr(weights_mod, "safe_open", lambda *a, **k: SpyFile(real(*a, **k), log))
+
+    class SpyReader(weights_mod.ByteReader):
+        def add(self, name, begin, end, dest):
+            log.append((name, "whole", (end - begin) // dest.element_size()))
+            super().add(name, begin, end, dest)
+    monkeypatch.setattr(weights_mod, "ByteReader", SpyReader)
     load_checkpoint(model, path)
     return log
 
