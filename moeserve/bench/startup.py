@@ -8,8 +8,9 @@ ready engine and to the first token of one short request (1 output token):
   so the run cannot add to it), with new Triton and TorchInductor caches;
 - ``warm``: a second start on the caches the ``cache`` run left (the ``cold`` run's when there was none;
   skipped when neither ran before it);
-- ``vllm-cold`` / ``vllm-warm``: vLLM's ``LLM`` on the same model with dummy weights; cold has a new
-  ``VLLM_CACHE_ROOT``, FlashInfer workspace and Triton cache, warm starts again on them.
+- ``vllm-cold`` / ``vllm-warm``: vLLM's engine on the same model (the same checkpoint when the model is a
+  directory with weights; dummy weights for a preset); cold has a new ``VLLM_CACHE_ROOT``, FlashInfer
+  workspace and Triton cache, warm starts again on them.
 
 moeserve rows say how many FlashInfer modules and Triton kernels compiled and for how long. After the first
 token each start serves, at each ``--concurrency``, a first batch of new prompts and a second one: the first
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -150,7 +152,8 @@ def entry_from_state(mode: str, state: dict, wall: float, stopped: str | None, p
         entry["flashinfer"] = dict(fi, summary=state.get("flashinfer") or state.get("flashinfer_at_ready"))
         d = state.get("describe") or {}
         entry["startup"] = {k: d.get(k) for k in ("init_seconds", "load_seconds", "graph_capture_seconds",
-                                                  "ready_seconds")}
+                                                  "ready_seconds", "startup_phases", "weights_bytes")}
+        _weights_rows(row, (d.get("startup_phases") or {}).get("weights"))
     if not mode.startswith("vllm"):
         triton = state.get("triton_events") or state.get("triton_events_at_ready") or []
         compiled = [e for e in triton if e.get("compiled")]
@@ -165,6 +168,24 @@ def entry_from_state(mode: str, state: dict, wall: float, stopped: str | None, p
     if first is None:
         entry["notes"] = [f"no first token: {stopped or state.get('reason')}"]
     return entry
+
+
+def _weights_rows(row: dict, weights_s: float | None) -> None:
+    """The weights' read time and the rest of the start (``ready_minus_weights_s``), when known."""
+    if weights_s is not None and row.get("ready_s") is not None:
+        row.update(weights_s=round(weights_s, 3), ready_minus_weights_s=round(row["ready_s"] - weights_s, 3))
+
+
+def vllm_startup_figures(log_text: str) -> dict[str, float]:
+    """vLLM's own start-up figures from its log: loading the weights, torch.compile, graph capture, engine
+    set-up (those it printed)."""
+    from moeserve.bench.vllm_baseline import STARTUP_PATTERNS
+    out = {}
+    for key, pattern in STARTUP_PATTERNS.items():
+        m = re.search(pattern, log_text)
+        if m:
+            out[key] = float(m.group(1))
+    return out
 
 
 def _check_kernel_cache(path: str | None) -> str | None:
@@ -307,6 +328,9 @@ def run(args) -> int:
                 if log.is_file():
                     out_dir.mkdir(parents=True, exist_ok=True)
                     shutil.copy(log, out_dir / f"{mode}.log")
+                    if mode.startswith("vllm") and entry["available"]:
+                        figures = entry["startup"] = vllm_startup_figures(log.read_text(errors="replace"))
+                        _weights_rows(entry["results"][0], figures.get("model_load_seconds"))
             result["engines"] = [e for e in result["engines"]  # an earlier run's skipped row for this mode
                                  if not (e.get("merged_from") and not e["available"] and e.get("mode") == mode)]
             labels = {e["label"] for e in result["engines"]}

@@ -19,3 +19,18 @@ def test_startup_reports_first_request_ttft_per_concurrency_and_compile_counts(t
         assert r["ttft_s"] > 0 and r["steady_ttft_s"] > 0 and r["first_over_steady"] > 0
     assert entry["triton"]["summary"].startswith("Triton: ") and entry["triton"]["compiled"] == []
     assert rows[0]["triton_kernels_compiled"] == 0  # the CPU runs no Triton kernel
+    phases = entry["startup"]["startup_phases"]
+    assert list(phases)[:2] == ["plan", "cuda_init"] and {"weights", "build_model", "kv_cache", "tokenizer"} <= set(phases)
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= rows[0]["ready_s"]
+    assert rows[0]["weights_s"] == phases["weights"]
+    assert abs(rows[0]["ready_minus_weights_s"] - (rows[0]["ready_s"] - phases["weights"])) < 1e-3
+
+
+def test_vllm_start_up_figures_are_read_from_its_log():
+    from moeserve.bench.startup import vllm_startup_figures
+    log = ("INFO 12-01 [gpu_model_runner.py:2602] Model loading took 26.7093 GiB memory and 8.974661 seconds\n"
+           "INFO 12-01 [backends.py:215] torch.compile takes 21.43 s in total\n"
+           "INFO 12-01 [gpu_model_runner.py:3480] Graph capturing finished in 21 secs, took 0.61 GiB\n")
+    assert vllm_startup_figures(log) == {"model_load_seconds": 8.974661, "torch_compile_seconds": 21.43,
+                                         "graph_capture_seconds": 21.0}
+    assert vllm_startup_figures("nothing") == {}
