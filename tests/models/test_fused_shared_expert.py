@@ -4,7 +4,8 @@ gate as weight. It must compute the same MoE block and the same model as the sha
 
 CPU: float32, torch backends, a Qwen2-MoE checkpoint (gated shared expert of 80 rows over experts of 32: three
 pieces, 16 rows of padding) and a GLM-4.5 one (ungated shared expert, DeepSeek routing). GPU (``-m gpu``): the
-Triton router writing the shared columns and the fused MoE kernel, in float32, against the unfused engine.
+Triton router writing the shared columns and the fused MoE kernel, in bfloat16 with CUDA graphs, against the
+unfused engine.
 """
 import pytest
 import torch
@@ -57,13 +58,24 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @gpu
 @needs_cuda
 def test_fused_shared_expert_on_the_gpu_follows_the_unfused_engine(tmp_path):
-    """The Triton router appends the gated shared columns, the Triton MoE runs E + 3 experts (one-token steps
-    pairwise, larger ones aligned), CUDA graphs on; against the unfused engine on the same backends."""
-    make_checkpoint("qwen2_moe", tmp_path)
-    fast = _engine(tmp_path, True, device="cuda")
-    ref = _engine(tmp_path, False, device="cuda")
+    """The Triton router appends the gated shared columns, the Triton MoE runs E + 2 experts (one-token steps
+    pairwise, larger ones aligned), CUDA graphs on (bfloat16: FlashInfer's attention); against the unfused
+    engine on the same backends. A small KV cache each, so the two engines leave the GPU to later tests."""
+    from moeserve.config import make_config
+    from moeserve.engine.engine import LLMEngine
+    make_checkpoint("qwen2_moe", tmp_path, seed=1, hidden_size=512, num_attention_heads=4, num_key_value_heads=4,
+                    moe_intermediate_size=128, intermediate_size=256, shared_expert_intermediate_size=256,
+                    num_experts=16, num_experts_per_tok=4, vocab_size=512, initializer_range=0.05)
+
+    def engine(fused: bool):
+        return LLMEngine(make_config(model=str(tmp_path), dtype="bfloat16", device="cuda", page_size=16,
+                                     max_num_batched_tokens=96, num_kv_pages=48, max_model_len=384, max_num_seqs=8,
+                                     cuda_graph_batch_sizes=[1, 2, 4, 8], moe_fuse_shared_expert=fused))
+    fast, ref = engine(True), engine(False)
     block = fast.runner.model.moe_blocks()[0]
     assert fast.runner.backend_names["moe"] == "triton" and block.router is not None and block.router.appends_shared
+    assert block.fused_shared == 2 and block.shared_expert is None and fast.runner.graphs is not None
     prompts = [[5, 9, 31, 77, 120, 3], [200, 17, 4], list(range(40, 61))]
-    r = lockstep(fast, ref, prompts, 8)
-    assert r.agreement == 1.0 and r.worst > 0.9999 and r.graph_steps > 0, (r.agreement, r.worst, r.graph_steps)
+    r = lockstep(fast, ref, prompts, 8, follow="fast")
+    # bfloat16: the shared expert's down projection is summed in two pieces, in another order
+    assert r.graph_steps > 0 and r.worst > 0.999 and r.agreement >= 0.95, (r.agreement, r.worst, r.graph_steps)
