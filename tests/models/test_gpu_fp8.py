@@ -94,7 +94,7 @@ def _layer(q13, s13, q2, s2, k):
     """The attributes a MoE backend reads from a SparseMoE block (fresh copies: prepare swaps in place)."""
     return types.SimpleNamespace(w13=q13.clone(), w13_scale_inv=s13.clone(), w2=q2, w2_scale_inv=s2,
                                  w13_order="gate_up", routing=RoutingConfig("softmax", k, True),
-                                 num_experts=q13.shape[0], top_k=k, router=None, routing_impl="torch")
+                                 num_experts=q13.shape[0], top_k=k, router=None, routing_impl="torch", fused_shared=0)
 
 
 def _check_experts(backend_cls, name, M, fp8_experts, sync_free=False):
