@@ -29,6 +29,7 @@ from moeserve.engine.batch import BatchBuilder
 from moeserve.engine.kernels import prepare_kernels
 from moeserve.engine.logprobs import PROMPT_ROWS_PER_PASS, PromptLogprobs, SampledLogprobs, cat, score
 from moeserve.engine.step import SamplingRow, ScheduledRequest, StepInput, StepOutput
+from moeserve.kernel_cache.triton_cache import wait_launchers
 from moeserve.models.layers import MoECausalLM, Ops
 from moeserve.models.parallel import local_heads
 from moeserve.ops.kv_cache import KVCache
@@ -101,6 +102,10 @@ class ModelRunner:
         self.model, self.load_format, self.high_precision_modules = self._load_model()
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.load_seconds = time.perf_counter() - t0
+        if self.device.type == "cuda":  # Triton's launchers, built in the background since the kernel cache's set-up
+            t = time.perf_counter()
+            wait_launchers()
+            self._phase("triton_launchers_wait", t)
 
         self.page_size = cfg.page_size
         self.max_pages_per_seq = -(-self.max_model_len // self.page_size)

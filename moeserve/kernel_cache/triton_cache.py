@@ -10,9 +10,14 @@ launch into ``<kernel cache>/triton`` (a Triton cache directory) and lists them 
   reported beside FlashInfer's modules in the start-up log.
 - With ``allow_jit: false`` a kernel missing from the cache is refused by name instead of compiled, both at
   start (the manifest must cover this configuration and hold every file it lists) and at run time (a cache
-  manager that raises before Triton compiles anything). The launcher stubs Triton builds with the host C
-  compiler (one per argument-type list, about 0.3 s each, tied to the Python version) are not kernels: they
-  are built during start-up and logged.
+  manager that raises before Triton compiles anything).
+- Triton also builds a launcher per argument-type list: a small host C module, compiled with the C compiler
+  against this Python at a kernel's first load (about 0.2 s each, one after the other). They are not GPU
+  kernels and cannot be built without this machine's Python and driver, so the kernel cache carries their C
+  sources (``launchers/``, written by ``moeserve precompile``) and the engine builds them all at once in
+  background threads from the start, beside the weights' reading (``start_launcher_builds``); the first
+  kernel loads then find them in the Triton cache. A launcher that fails to build here is built at first
+  use as before.
 
 Only the standard library and ``triton`` are imported here.
 """
@@ -32,6 +37,7 @@ log = logging.getLogger("moeserve.kernel_cache")
 TRITON_DIR = "triton"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
+LAUNCHERS = "launchers"  # C sources of Triton's launcher modules, beside the manifest
 
 _events: list[dict] = []
 _state: dict = {"dir": None, "installed": False}
@@ -141,8 +147,64 @@ def use_triton_cache(base: str | Path, fingerprint: dict, allow_jit: bool = True
     if covering and all("tokens" in e for e in covering[0]["entries"]):
         _state["warm_sizes"] = sorted({e["tokens"] for e in covering[0]["entries"] if e["tokens"] is not None})
     install_listener(allow_jit)
-    summary.update(dir=str(cache), kernels=sum(len(c["entries"]) for c in manifest.get("configs", [])))
+    summary.update(dir=str(cache), kernels=sum(len(c["entries"]) for c in manifest.get("configs", [])),
+                   launchers=start_launcher_builds(cache, manifest))
     return summary
+
+
+def build_launcher(src: str) -> None:
+    """Build (or find) Triton's launcher module for C source ``src`` in the current Triton cache, as Triton does
+    at a kernel's first load."""
+    from triton.backends.nvidia.driver import include_dirs, libraries, library_dirs
+    from triton.runtime.build import compile_module_from_src
+    compile_module_from_src(src=src, name="__triton_launcher", library_dirs=library_dirs(),
+                            include_dirs=include_dirs, libraries=libraries)
+
+
+def start_launcher_builds(cache_dir: Path, manifest: dict) -> int:
+    """Build every launcher the manifest lists, in background threads; returns how many were started
+    (``wait_launchers`` waits for them)."""
+    from concurrent.futures import ThreadPoolExecutor
+    names = manifest.get(LAUNCHERS) or []
+    sources = []
+    for name in names:
+        try:
+            sources.append((name, (Path(cache_dir) / LAUNCHERS / name).read_text()))
+        except OSError:
+            log.warning("Triton launcher source %s is not in the kernel cache; it is built at first use", name)
+    if not sources:
+        return 0
+    pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="moeserve-launcher")
+    t0 = time.perf_counter()
+
+    def build(item):
+        name, src = item
+        try:
+            build_launcher(src)
+            return name, None, time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - Triton builds it again at first use and reports there
+            return name, f"{type(e).__name__}: {e}", time.perf_counter() - t0
+
+    _state["launchers"] = [pool.submit(build, item) for item in sources]
+    pool.shutdown(wait=False)
+    return len(sources)
+
+
+def wait_launchers() -> dict:
+    """Wait for the launcher builds ``start_launcher_builds`` started; ``{"built", "failed", "seconds"}``
+    (``seconds``: from their start to the last one done; None when none ran)."""
+    futures = _state.pop("launchers", None)
+    if not futures:
+        return _state.get("launcher_report", {"built": 0, "failed": 0, "seconds": None})
+    results = [f.result() for f in futures]
+    failed = [(name, why) for name, why, _ in results if why]
+    for name, why in failed[:3]:
+        log.warning("Triton launcher %s did not build ahead of its kernel (%s); Triton builds it at first use",
+                    name, why)
+    report = {"built": len(results) - len(failed), "failed": len(failed),
+              "seconds": round(max(t for _, _, t in results), 3)}
+    _state["launcher_report"] = report
+    return report
 
 
 def install_listener(allow_jit: bool) -> None:
@@ -196,4 +258,9 @@ def triton_summary() -> str:
     text = f"Triton: {loaded} kernels from {where}, {len(compiled)} compiled"
     if compiled:
         text += " (" + ", ".join(e["name"] for e in compiled[:5]) + (", ..." if len(compiled) > 5 else "") + ")"
+    report = _state.get("launcher_report")
+    if report and report["built"] + report["failed"]:
+        text += f"; {report['built']} launchers built ahead in {report['seconds']:.2f} s"
+        if report["failed"]:
+            text += f" ({report['failed']} left to first use)"
     return text

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from moeserve.kernel_cache.triton_cache import MANIFEST, MANIFEST_FORMAT, TRITON_DIR
+from moeserve.kernel_cache.triton_cache import LAUNCHERS, MANIFEST, MANIFEST_FORMAT, TRITON_DIR
 
 # sha256 of triton/_C/libtriton.so in PyPI's manylinux x86_64 wheels, by (triton version, Python tag)
 LIBTRITON_SHA256 = {
@@ -118,6 +118,21 @@ def _listing_launch(self, grid):
 _LISTED: dict = {}
 
 
+def launcher_source(src, metadata: dict) -> str | None:
+    """The C source of the launcher module Triton builds for this kernel at its first load (what
+    ``triton.backends.nvidia.driver.CudaLauncher`` generates from the same source and metadata); None when this
+    Triton has no such generator."""
+    try:
+        from triton.backends.nvidia.driver import make_launcher
+    except ImportError:
+        return None
+    constants = getattr(src, "constants", {})
+    arg_idx = lambda x: (src.fn.arg_names.index(x), ) if isinstance(x, str) else x  # noqa: E731 - as Triton
+    constants = {arg_idx(idx): value for idx, value in constants.items()}
+    signature = dict(src.signature.items())
+    return make_launcher(constants, signature, metadata.get("tensordesc_meta"))
+
+
 @contextlib.contextmanager
 def compile_session(cache_dir: Path, capability: tuple[int, int], triton_key: str, dry_run: bool = False):
     """Inside: Triton compiles for ``capability`` into ``cache_dir`` under ``triton_key``, and every kernel
@@ -133,7 +148,8 @@ def compile_session(cache_dir: Path, capability: tuple[int, int], triton_key: st
 
     def listener(*, src, metadata, metadata_group, times, cache_hit):
         events.append({"name": getattr(src, "name", "?"), "hash": metadata["hash"], "cache_hit": cache_hit,
-                       "constants": {str(k): str(v) for k, v in getattr(src, "constants", {}).items()}})
+                       "constants": {str(k): str(v) for k, v in getattr(src, "constants", {}).items()},
+                       "launcher": launcher_source(src, metadata)})
 
     saved = (tcache.triton_key, driver._active, knobs.compilation.store_binary_only, knobs.compilation.listener,
              KernelInterface.__getitem__)
@@ -285,12 +301,19 @@ def build(plan, out: Path, capability: tuple[int, int], device_name: str, target
     manifest = _read(cache_dir) or {}
     if (manifest.get("triton_version"), manifest.get("target_python")) != (triton.__version__, tag):
         manifest = {}
+    launchers = set(manifest.get(LAUNCHERS) or [])
+    (cache_dir / LAUNCHERS).mkdir(exist_ok=True)
+    for src in {e["launcher"] for e in events if e.get("launcher")}:
+        name = hashlib.sha256(src.encode()).hexdigest()[:24] + ".c"
+        (cache_dir / LAUNCHERS / name).write_text(src)
+        launchers.add(name)
     digest = hashlib.sha256(key.encode()).hexdigest()
     same = {k: v for k, v in fingerprint.items() if k != "max_tokens"}
     configs = [c for c in manifest.get("configs", [])
                if {k: v for k, v in c["fingerprint"].items() if k != "max_tokens"} != same]
     manifest = {"format": MANIFEST_FORMAT, "triton_version": triton.__version__, "target_python": tag,
-                "triton_key_sha256": digest, "capability": list(capability), "configs": configs + [config]}
+                "triton_key_sha256": digest, "capability": list(capability), "configs": configs + [config],
+                LAUNCHERS: sorted(launchers)}
     (cache_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return config
 

@@ -112,3 +112,69 @@ def test_the_runtime_guard_refuses_a_miss_before_anything_compiles(tmp_path, mon
     finally:
         knobs.cache.manager_class, knobs.compilation.listener = saved[0], saved[1]
         triton_cache._state.update(saved[2])
+
+
+def test_the_launcher_sources_are_the_ones_triton_builds_at_first_load(tmp_path, monkeypatch):
+    """Each kernel's launcher source, as precompile writes it, is what Triton's own ``CudaLauncher`` generates
+    from the same kernel source and metadata (its C compile intercepted: this machine has no driver)."""
+    import types
+
+    from triton import knobs
+    from triton.backends.nvidia import driver
+    from triton.runtime.cache import FileCacheManager
+    monkeypatch.setattr(knobs.cache, "manager_class", FileCacheManager)  # an earlier test's allow_jit guard
+    seen = []
+    real = triton_aot.launcher_source
+
+    def spy(src, metadata):
+        out = real(src, metadata)
+        seen.append((src, dict(metadata), out))
+        return out
+    monkeypatch.setattr(triton_aot, "launcher_source", spy)
+    triton_aot.build(tiny_plan(), tmp_path, *H200, log=lambda s: None)
+    assert seen
+
+    class Built(Exception):
+        pass
+
+    def intercept(src, **kw):
+        raise Built(src)
+    monkeypatch.setattr(driver, "compile_module_from_src", intercept)
+    monkeypatch.setattr(driver, "library_dirs", lambda: [])
+    for src, metadata, ours in seen:
+        with pytest.raises(Built) as got:
+            driver.CudaLauncher(src, types.SimpleNamespace(**metadata))
+        assert got.value.args[0] == ours, getattr(src, "name", "?")
+
+
+def test_the_engine_builds_the_cached_launchers_ahead_and_reports_them(tmp_path, monkeypatch):
+    from triton import knobs
+    from triton.runtime.cache import FileCacheManager
+    monkeypatch.setattr(knobs.cache, "manager_class", FileCacheManager)  # an earlier test's allow_jit guard
+    plan = tiny_plan()
+    triton_aot.build(plan, tmp_path, *H200, log=lambda s: None)
+    manifest = json.loads((tmp_path / "triton" / "manifest.json").read_text())
+    names = manifest["launchers"]
+    assert len(names) >= 2  # one per argument-type list of the kernels
+    sources = {n: (tmp_path / "triton" / "launchers" / n).read_text() for n in names}
+    assert all("PyInit___triton_launcher" in src for src in sources.values())
+    built = []
+
+    def fake_build(src):
+        if src == sources[names[0]]:
+            raise RuntimeError("no C compiler")
+        built.append(src)
+    monkeypatch.setattr(triton_cache, "build_launcher", fake_build)
+    monkeypatch.setattr(knobs.cache, "dir", knobs.cache.dir)
+    saved = dict(triton_cache._state)
+    try:
+        summary = triton_cache.use_triton_cache(tmp_path, plan.triton_fingerprint(H200[1]), allow_jit=True)
+        assert summary["launchers"] == len(names)
+        report = triton_cache.wait_launchers()
+        assert report["built"] == len(names) - 1 and report["failed"] == 1 and report["seconds"] >= 0
+        assert sorted(built) == sorted(sources[n] for n in names[1:])
+        assert f"{len(names) - 1} launchers built ahead" in triton_cache.triton_summary()
+        assert "1 left to first use" in triton_cache.triton_summary()
+    finally:
+        triton_cache._state.clear()
+        triton_cache._state.update(saved)
