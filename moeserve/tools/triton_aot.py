@@ -190,27 +190,29 @@ def tuned_tables_for(device_name: str):
         clear()
 
 
-def _meta_ops(plan, moe):
-    """The torch reference operators on ``meta`` (the linears run through the torch backend) with ``moe``."""
+def _meta_ops(plan, moe, device: torch.device | None = None):
+    """The torch reference operators on ``meta`` (or ``device``; the linears run through the torch backend)
+    with ``moe``."""
     from moeserve.models.layers import Ops
     from moeserve.ops.basic import TorchActivation, TorchNorm, TorchRope
     from moeserve.ops.linear import TorchLinear
-    return Ops(linear=TorchLinear(torch.device("meta"), plan.dtype), norm=TorchNorm(), activation=TorchActivation(),
-               moe=moe, rope_cls=TorchRope, quantization=plan.quantization)
+    return Ops(linear=TorchLinear(device or torch.device("meta"), plan.dtype), norm=TorchNorm(),
+               activation=TorchActivation(), moe=moe, rope_cls=TorchRope, quantization=plan.quantization)
 
 
-def meta_moe_layer(plan):
-    """The model's MoE layer on ``meta`` with the plan's Triton paths (MoE and routing kernels)."""
+def meta_moe_layer(plan, device: torch.device | None = None):
+    """The model's MoE layer on ``meta`` (or ``device``, its weights uninitialised) with the plan's Triton paths
+    (MoE and routing kernels)."""
     from moeserve.models.layers import SparseMoE
     from moeserve.ops.moe.routing_triton import TritonTopkRouter
     from moeserve.ops.moe.torch_ref import TorchMoE
     from moeserve.ops.moe.triton_backend import TritonMoE
     fp = plan.triton_fingerprint("?")
-    meta, dtype = torch.device("meta"), plan.dtype
+    meta, dtype = device or torch.device("meta"), plan.dtype
     moe = TritonMoE(meta, dtype) if fp["moe"] else TorchMoE(meta, dtype)
     if fp["moe"]:
         moe.pairwise_max_tokens = fp["moe_pairwise_max_tokens"]
-    layer = SparseMoE(_meta_ops(plan, moe), plan.arch, dtype, meta)
+    layer = SparseMoE(_meta_ops(plan, moe, meta), plan.arch, dtype, meta)
     if fp["fuse_shared_expert"]:
         layer.fuse_shared_expert()
     if fp["routing"]:

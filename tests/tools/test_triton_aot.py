@@ -178,3 +178,43 @@ def test_the_engine_builds_the_cached_launchers_ahead_and_reports_them(tmp_path,
     finally:
         triton_cache._state.clear()
         triton_cache._state.update(saved)
+
+
+@pytest.mark.gpu
+def test_gpu_first_kernel_loads_find_the_launchers_built_ahead(tmp_path, monkeypatch):
+    """On the GPU: the launchers built from the cache's sources are the ones the first kernel loads look up, so
+    running the MoE layer at every step size compiles neither a kernel nor a launcher."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from triton import knobs
+    from triton.runtime import build as triton_build
+    from triton.runtime.cache import FileCacheManager
+    monkeypatch.setattr(knobs.cache, "manager_class", FileCacheManager)
+    monkeypatch.setattr(knobs.cache, "dir", knobs.cache.dir)
+    capability = torch.cuda.get_device_capability()
+    plan = tiny_plan()
+    triton_aot.build(plan, tmp_path, capability, H200[1], log=lambda s: None)
+    saved = dict(triton_cache._state)
+    try:
+        summary = triton_cache.use_triton_cache(tmp_path, plan.triton_fingerprint(H200[1]), allow_jit=False)
+        report = triton_cache.wait_launchers()
+        assert summary["launchers"] >= 2 and report == {"built": summary["launchers"], "failed": 0,
+                                                        "seconds": report["seconds"]}
+        builds = []
+        real = triton_build._build
+        monkeypatch.setattr(triton_build, "_build", lambda *a, **kw: (builds.append(a[0]), real(*a, **kw))[1])
+        loaded = len(triton_cache.triton_events())
+        layer = triton_aot.meta_moe_layer(plan, device=torch.device("cuda"))
+        with torch.no_grad(), triton_aot.tuned_tables_for(H200[1]):
+            for p in layer.parameters():
+                p.normal_(0.0, 0.02)
+            for t in range(1, plan.max_step_tokens + 1):
+                layer(torch.randn((t, plan.arch.hidden_size), dtype=plan.dtype, device="cuda"))
+        torch.cuda.synchronize()
+        events = triton_cache.triton_events()[loaded:]
+        assert events and not any(e["compiled"] for e in events)
+        assert builds == [], builds  # every launcher came from Triton's cache
+    finally:
+        triton_cache._state.clear()
+        triton_cache._state.update(saved)
