@@ -15,9 +15,9 @@ launch into ``<kernel cache>/triton`` (a Triton cache directory) and lists them 
   against this Python at a kernel's first load (about 0.2 s each, one after the other). They are not GPU
   kernels and cannot be built without this machine's Python and driver, so the kernel cache carries their C
   sources (``launchers/``, written by ``moeserve precompile``) and the engine builds them all at once in
-  background threads from the start, beside the weights' reading (``start_launcher_builds``); the first
-  kernel loads then find them in the Triton cache. A launcher that fails to build here is built at first
-  use as before.
+  background threads from the start, beside the weights' reading (``start_launcher_builds``), together with
+  the driver's utility module (``cuda_utils``, from Triton's own source); the first kernel loads then find
+  them in the Triton cache. A module that fails to build here is built at first use as before.
 
 Only the standard library and ``triton`` are imported here.
 """
@@ -152,35 +152,47 @@ def use_triton_cache(base: str | Path, fingerprint: dict, allow_jit: bool = True
     return summary
 
 
-def build_launcher(src: str) -> None:
-    """Build (or find) Triton's launcher module for C source ``src`` in the current Triton cache, as Triton does
-    at a kernel's first load."""
+def build_launcher(src: str, module: str = "__triton_launcher") -> None:
+    """Build (or find) Triton's host module ``module`` from C source ``src`` in the current Triton cache, as
+    Triton does at a kernel's first load (``__triton_launcher``) or at its driver's start (``cuda_utils``)."""
     from triton.backends.nvidia.driver import include_dirs, libraries, library_dirs
     from triton.runtime.build import compile_module_from_src
-    compile_module_from_src(src=src, name="__triton_launcher", library_dirs=library_dirs(),
-                            include_dirs=include_dirs, libraries=libraries)
+    compile_module_from_src(src=src, name=module, library_dirs=library_dirs(), include_dirs=include_dirs,
+                            libraries=libraries)
+
+
+def _driver_utils_source() -> str | None:
+    """The C source of the CUDA driver's utility module Triton builds when its driver starts (``cuda_utils``)."""
+    try:
+        from triton.backends.nvidia import driver
+        return (Path(driver.__file__).parent / "driver.c").read_text()
+    except (ImportError, OSError):
+        return None
 
 
 def start_launcher_builds(cache_dir: Path, manifest: dict) -> int:
-    """Build every launcher the manifest lists, in background threads; returns how many were started
-    (``wait_launchers`` waits for them)."""
+    """Build every launcher the manifest lists, and the driver's utility module, in background threads; returns
+    how many were started (``wait_launchers`` waits for them)."""
     from concurrent.futures import ThreadPoolExecutor
     names = manifest.get(LAUNCHERS) or []
     sources = []
     for name in names:
         try:
-            sources.append((name, (Path(cache_dir) / LAUNCHERS / name).read_text()))
+            sources.append((name, (Path(cache_dir) / LAUNCHERS / name).read_text(), "__triton_launcher"))
         except OSError:
             log.warning("Triton launcher source %s is not in the kernel cache; it is built at first use", name)
     if not sources:
         return 0
+    utils = _driver_utils_source()
+    if utils is not None:
+        sources.append(("cuda_utils", utils, "cuda_utils"))
     pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="moeserve-launcher")
     t0 = time.perf_counter()
 
     def build(item):
-        name, src = item
+        name, src, module = item
         try:
-            build_launcher(src)
+            build_launcher(src, module)
             return name, None, time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - Triton builds it again at first use and reports there
             return name, f"{type(e).__name__}: {e}", time.perf_counter() - t0
@@ -260,7 +272,7 @@ def triton_summary() -> str:
         text += " (" + ", ".join(e["name"] for e in compiled[:5]) + (", ..." if len(compiled) > 5 else "") + ")"
     report = _state.get("launcher_report")
     if report and report["built"] + report["failed"]:
-        text += f"; {report['built']} launchers built ahead in {report['seconds']:.2f} s"
+        text += f"; {report['built']} host modules (launchers) built ahead in {report['seconds']:.2f} s"
         if report["failed"]:
             text += f" ({report['failed']} left to first use)"
     return text
