@@ -32,12 +32,12 @@ def main() -> int:
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--backends", default="cublas,tinygemm,tinygemm-pdl,triton")
     args = p.parse_args()
+    from moeserve.bench.kernel_cases import own_time_us
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     lin = shapes(args.model)
     weights = [torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02 for _, N, K in lin]
     nbytes = sum(w.numel() * 2 for w in weights)
-    copy = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
     out_rows = []
     for m in args.rows:
         xs = {K: torch.randn(m, K, device=dev, dtype=torch.bfloat16, generator=gen) for _, _, K in lin}
@@ -64,25 +64,8 @@ def main() -> int:
                 torch.cuda.synchronize()
                 err = max(float((o.float() - r.float()).abs().max()) for o, r in zip(outs, refs))
                 row["max_abs_err"] = err
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    fn()
-                torch.cuda.current_stream().wait_stream(s)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    fn()
-                times = []
-                for _ in range(args.replays):
-                    copy.zero_()  # evict the L2
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    g.replay()
-                    b.record()
-                    b.synchronize()
-                    times.append(a.elapsed_time(b))
-                times.sort()
-                ms = times[len(times) // 2]
+                us, _ = own_time_us(fn, (), graph=True, repeats=args.replays)  # 256 MiB L2 flush per replay
+                ms = us / 1e3
                 row.update(ms=round(ms, 4), gb_s=round(nbytes / ms / 1e6, 1))
             except Exception as e:  # noqa: BLE001 - a backend that cannot run these shapes
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
