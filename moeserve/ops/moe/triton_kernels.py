@@ -1,5 +1,6 @@
-"""Fused mixture-of-experts in Triton: token alignment, a grouped GEMM kernel in the style of vLLM's
-``fused_moe_kernel``, and SiLU-and-mul, composed by :func:`fused_moe`.
+"""Fused mixture-of-experts in Triton: token alignment and a grouped GEMM kernel in the style of vLLM's
+``fused_moe_kernel`` (the first GEMM computes SwiGLU's gate and up tiles together and writes the activation),
+composed by :func:`fused_moe`; ``silu_and_mul`` stays for the FP8 path.
 
 Every launch here is free of host synchronisation, so :func:`fused_moe` can be captured in a CUDA graph
 for a fixed number of tokens.
@@ -180,7 +181,7 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
                      stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                      BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
                      GROUP_SIZE_M: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
-                     IEEE_FP32: tl.constexpr, PAIRWISE: tl.constexpr = False):
+                     IEEE_FP32: tl.constexpr, PAIRWISE: tl.constexpr = False, SILU_MUL: tl.constexpr = False):
     """Grouped GEMM ``C[s, :] = A[s // top_k, :] @ B[expert(s)]^T`` over expert-sorted rows ``s``.
 
     ``A`` is ``[*, K]``, ``B`` is ``[E, N, K]``, ``C`` is ``[num_valid_tokens, N]``. Rows come from
@@ -188,6 +189,10 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
     (``>= num_valid_tokens``) are skipped. With ``MUL_ROUTED_WEIGHT`` each row is scaled by
     ``topk_weights[s]`` in fp32 before the cast to ``C``'s dtype. ``EM`` bounds the padded row count.
     ``PAIRWISE``: one tile per flat routing pair, ``expert_ids`` is the flat ``topk_ids`` (see ``tile_rows``).
+    ``SILU_MUL``: ``B`` holds ``2N`` rows per expert (gate rows ``[0, N)``, up rows ``[N, 2N)``) and the program
+    computes the gate and up tiles of its ``N`` columns side by side, writing ``silu(gate) * up`` (each rounded
+    to ``C``'s dtype first, as a separate activation kernel would read them): the SwiGLU activation in the
+    epilogue of the first expert GEMM, one launch fewer per layer.
     """
     pid_m, pid_n = program_tile(EM, N, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
     if not PAIRWISE:
@@ -202,21 +207,38 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
     b_ptrs = b_ptr + off_expert * stride_be + (offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn)
 
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    if SILU_MUL:
+        up_ptrs = b_ptrs + N * stride_bn
+        acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=token_mask[:, None], other=0.0)
             b = tl.load(b_ptrs)
+            if SILU_MUL:
+                b_up = tl.load(up_ptrs)
         else:
             k_left = K - k * BLOCK_SIZE_K
             a = tl.load(a_ptrs, mask=token_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if SILU_MUL:
+                b_up = tl.load(up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         if IEEE_FP32:
             acc = tl.dot(a, b, acc=acc, input_precision="ieee")
+            if SILU_MUL:
+                acc_up = tl.dot(a, b_up, acc=acc_up, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc=acc)
+            if SILU_MUL:
+                acc_up = tl.dot(a, b_up, acc=acc_up)
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
+        if SILU_MUL:
+            up_ptrs += BLOCK_SIZE_K * stride_bk
 
+    if SILU_MUL:
+        gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up
     store_tile(acc, c_ptr, topk_weights_ptr, offs_token, token_mask, pid_n, N, stride_cm, stride_cn, BLOCK_SIZE_N,
                MUL_ROUTED_WEIGHT)
 
@@ -247,17 +269,24 @@ def launch_params(config: dict, n: int, sorted_token_ids: torch.Tensor, max_padd
 def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor | None,
                             sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
                             num_tokens_post_padded: torch.Tensor, top_k: int, config: dict,
-                            max_padded_rows: int | None = None, warmup: bool = False, pairwise: bool = False):
+                            max_padded_rows: int | None = None, warmup: bool = False, pairwise: bool = False,
+                            silu_mul: bool = False):
     """Launch (or, with ``warmup``, only compile) :func:`fused_moe_kernel` for ``c = a[rows // top_k] @ b[e]^T``.
 
     ``c`` is ``[rows, N]`` with ``rows = len(topk_ids.flatten())``; ``topk_weights`` (flat fp32, ``[rows]``)
     enables routed-weight scaling. ``max_padded_rows`` is an upper bound on ``num_tokens_post_padded``
     that shrinks the grid (defaults to ``len(sorted_token_ids)``). ``pairwise``: ``expert_ids`` is the flat
     ``topk_ids`` and each (token, expert) pair is its own row tile (no alignment; ``sorted_token_ids`` and
-    ``num_tokens_post_padded`` are not read).
+    ``num_tokens_post_padded`` are not read). ``silu_mul``: ``b`` is ``[E, 2N, K]`` (gate rows, then up rows)
+    and ``c`` ``[rows, N]`` receives ``silu(gate) * up``; the column tile is half the config's, so the launch has
+    as many programs, each reading as many weight bytes, as the unfused GEMM over ``2N`` columns.
     """
     num_valid, n = c.shape
     k = b.shape[2]
+    if silu_mul:
+        if b.shape[1] != 2 * n:
+            raise ValueError(f"silu_mul: b has {b.shape[1]} rows per expert, expected 2 * {n}")
+        config = dict(config, BLOCK_SIZE_N=max(16, int(config["BLOCK_SIZE_N"]) // 2))
     meta, opts, em, grid = launch_params(config, n, sorted_token_ids, max_padded_rows)
     if pairwise:
         meta["BLOCK_SIZE_M"] = PAIRWISE_BLOCK_M
@@ -268,7 +297,7 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t
             em, num_valid, top_k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
             c.stride(0), c.stride(1))
     kwargs = dict(meta, MUL_ROUTED_WEIGHT=mul_w, EVEN_K=k % meta["BLOCK_SIZE_K"] == 0,
-                  IEEE_FP32=a.dtype == torch.float32, PAIRWISE=pairwise, **opts)
+                  IEEE_FP32=a.dtype == torch.float32, PAIRWISE=pairwise, SILU_MUL=silu_mul, **opts)
     if warmup:
         return fused_moe_kernel.warmup(*args, grid=grid, **kwargs)
     return fused_moe_kernel[grid](*args, **kwargs)
@@ -340,10 +369,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, block_m, e)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
 
-    gate_up = torch.empty((rows, two_i), dtype=x.dtype, device=x.device)
-    invoke_fused_moe_kernel(x, w13, gate_up, None, sorted_ids, expert_ids, ntpp, top_k, config, max_rows,
-                            pairwise=pairwise)
-    act = silu_and_mul(gate_up)
+    act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+    invoke_fused_moe_kernel(x, w13, act, None, sorted_ids, expert_ids, ntpp, top_k, config, max_rows,
+                            pairwise=pairwise, silu_mul=True)
     # rows of a masked id are never written: zero them for the combine's sum
     down = (torch.zeros if masked_ids else torch.empty)((rows, h), dtype=x.dtype, device=x.device)
     invoke_fused_moe_kernel(act, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, config, max_rows,
@@ -364,9 +392,9 @@ def fused_moe_warmup(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k
     expert_ids = torch.zeros((1,), dtype=torch.int32, device=dev)
     ntpp = torch.zeros((1,), dtype=torch.int32, device=dev)
     weights = torch.zeros((rows,), dtype=torch.float32, device=dev)
-    gate_up = torch.empty((rows, two_i), dtype=x.dtype, device=dev)
     act = torch.empty((rows, two_i // 2), dtype=x.dtype, device=dev)
     down = torch.empty((rows, h), dtype=x.dtype, device=dev)
-    k1 = invoke_fused_moe_kernel(x, w13, gate_up, None, sorted_ids, expert_ids, ntpp, top_k, config, warmup=True)
+    k1 = invoke_fused_moe_kernel(x, w13, act, None, sorted_ids, expert_ids, ntpp, top_k, config, warmup=True,
+                                 silu_mul=True)
     k2 = invoke_fused_moe_kernel(act, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, config, warmup=True)
     return k1, k2
