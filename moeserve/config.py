@@ -196,6 +196,10 @@ class EngineConfig(_Strict):
     # vLLM's --async-scheduling, SGLang's overlap scheduler
     async_scheduling: bool = Field(True, description="schedule and launch the next step while the GPU runs the "
                                    "current one (its tokens reach the host one step later)")
+    attention_fused_qkv: bool = Field(
+        True, description="FlashInfer attention on a GPU: the q/k norms, rotary embedding and KV-cache append of a "
+        "layer in one Triton kernel from the QKV projection (false: the rope and norm backends and FlashInfer's "
+        "append, three to seven launches)")
     # vLLM's VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD
     shared_expert_stream_max_tokens: int = Field(
         256, ge=0, description="steps of at most this many tokens run the shared expert on a second CUDA stream, "

@@ -75,6 +75,14 @@ class RuntimePlan:
                     out.append(mod)
         return out
 
+    @property
+    def fused_qkv(self) -> bool:
+        """Whether attention takes the QKV projection whole (``moeserve.ops.attention.qkv_triton``): FlashInfer
+        attention, a GPU rotary backend, the KV cache in the model's dtype, and ``attention_fused_qkv``."""
+        names = self.backend_names
+        return (self.config.attention_fused_qkv and names.get("attention") == "flashinfer"
+                and names.get("rope") == "flashinfer" and self.kv_dtype == self.dtype)
+
     def triton_fingerprint(self, device_name: str) -> dict:
         """What decides the Triton kernels this plan launches (``moeserve.kernel_cache.triton_cache``): the MoE
         shapes, routing, dtypes, the largest step, the GPU's tuned-config name and the kernels' source."""
@@ -84,7 +92,9 @@ class RuntimePlan:
         routing = self.backends["routing"].name == "fused" and m.routing.method in METHODS
         gemv = self.config.linear_gemv_max_tokens if self.backends["linear"].name == "triton" else 0
         gated = bool(m.shared_expert_intermediate_size and m.shared_expert_gate)
-        return {"kernels": moe or routing or gemv > 0, "moe": moe, "routing": m.routing.method if routing else None,
+        qkv = self.fused_qkv
+        return {"kernels": moe or routing or gemv > 0 or qkv, "moe": moe,
+                "routing": m.routing.method if routing else None, "fused_qkv": qkv,
                 "gemv_max_tokens": gemv, "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
                 "fuse_shared_expert": self.config.moe_fuse_shared_expert,
                 "renormalize": m.routing.renormalize, "hidden_size": m.hidden_size, "num_experts": m.num_experts,

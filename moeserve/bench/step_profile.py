@@ -15,7 +15,8 @@ from collections import defaultdict
 
 import torch
 
-FAMILIES = [
+FAMILIES = [  # the first match names a kernel's family
+    ("qkv", r"qkv_rope_append"),  # q/k norms, rotary embedding and KV append in one kernel
     ("attention", r"prefill|decode|attention|fmha|xqa|BatchPrefill|BatchDecode|AppendPaged|append"),
     ("moe", r"fused_moe|moe|expert|cutlass.*group|grouped"),
     ("gemm", r"gemm|gemv|cublas|sm90_xmma|nvjet|cutlass|matmul|Kernel2"),

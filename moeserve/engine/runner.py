@@ -192,8 +192,10 @@ class ModelRunner:
 
     def _make_attention(self, kv: KVCache):
         a = self.arch
-        return self.plan.backend_class("attention")(kv, self.num_heads, self.num_kv_heads, a.head_dim,
-                                                    a.head_dim ** -0.5, self.device, self.dtype)
+        att = self.plan.backend_class("attention")(kv, self.num_heads, self.num_kv_heads, a.head_dim,
+                                                   a.head_dim ** -0.5, self.device, self.dtype)
+        att.fuse_qkv = att.fuse_qkv and self.plan.fused_qkv
+        return att
 
     def _num_kv_pages(self) -> int:
         cfg, a = self.cfg, self.arch

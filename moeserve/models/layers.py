@@ -48,6 +48,11 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
+        attn = self.ops.attention
+        if attn.fuse_qkv:  # norms, rotary embedding and KV append in one kernel
+            o = attn.forward_qkv(self.layer_idx, self.qkv_proj(x), positions, self.rope.cache,
+                                 self.q_norm if self.qk_norm else None, self.k_norm if self.qk_norm else None, self.eps)
+            return self.o_proj(o.view(t, self.q_size))
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             q = self.ops.norm.rmsnorm(q.reshape(t, self.num_heads, self.head_dim), self.q_norm, self.eps).view(t, -1)

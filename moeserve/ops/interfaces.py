@@ -17,6 +17,9 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
     supports_graphs: ClassVar[bool] = False  # decode steps can be captured (init_graph / begin_graph)
+    # ``forward_qkv`` takes the QKV projection whole (q/k norm, rotary embedding and KV append in one kernel);
+    # a backend that can sets ``fuse_qkv`` on its instances (the engine's ``attention_fused_qkv`` may clear it)
+    fuse_qkv: bool = False
 
     @abstractmethod
     def begin(self, inp) -> None:
@@ -25,6 +28,13 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Append ``k``/``v`` to the cache and attend: q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` -> ``[T, Hq, D]``."""
+
+    def forward_qkv(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """``forward`` from the QKV projection ``[T, (Hq + 2 Hkv) * D]``: per-head q/k RMSNorm (weights, or
+        None), neox rotary embedding from the float32 ``cos_sin`` cache ``[positions, rotary_dim]``, append,
+        attend -> ``[T, Hq, D]``. Only where ``fuse_qkv``."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not take the QKV projection whole")
 
     def init_graph(self, batch_size: int, max_pages_per_seq: int) -> None:
         raise NotImplementedError(f"attention backend {self.name!r} cannot be captured in CUDA graphs")

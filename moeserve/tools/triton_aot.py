@@ -3,8 +3,8 @@ the configuration will launch into ``<kernel cache>/triton``, under exactly the 
 Triton computes at launch (the engine then points Triton there: ``moeserve.kernel_cache.triton_cache``).
 
 How: the real MoE layer of the model (router, routing kernel, fused MoE, combine, FP8 activation quantisation)
-runs on ``meta`` tensors for every step size the engine can launch (1 to max_num_batched_tokens tokens), and
-the GEMV of the ``triton`` linear backend for each of the model's linears and each step it takes, with
+runs on ``meta`` tensors for every step size the engine can launch (1 to max_num_batched_tokens tokens), the
+attention's QKV kernel (norms, rotary embedding, KV append) once, and the GEMV of the ``triton`` linear backend for each of the model's linears and each step it takes, with
 a stand-in driver that reports the target GPU and every ``kernel[grid](...)`` turned into a compile. So the
 launch signatures (argument dtypes, 16-byte alignment of pointers, integer specialisations, tile configs from
 the tuned tables, constexprs) are the ones the engine produces, without restating them here.
@@ -236,15 +236,36 @@ def meta_linear_shapes(plan) -> list[tuple[int, int, bool, torch.dtype]]:
     return sorted(shapes, key=str)
 
 
+def launch_qkv_kernel(plan, tokens: int = 1, device: torch.device | None = None) -> torch.Tensor:
+    """The attention's QKV kernel (``moeserve.ops.attention.qkv_triton``) as the engine launches it for this plan,
+    on ``meta`` (or ``device``, inputs uninitialised but in range) for a step of ``tokens`` tokens."""
+    from moeserve.models.parallel import local_heads
+    from moeserve.ops.attention.qkv_triton import qkv_rope_append
+    m, dev, dt = plan.arch, device or torch.device("meta"), plan.dtype
+    hq, hkv, _ = local_heads(m, plan.parallel)
+    d, i32 = m.head_dim, dict(dtype=torch.int32, device=dev)
+    page = plan.config.page_size
+    norm = (torch.ones(d, dtype=dt, device=dev), torch.ones(d, dtype=dt, device=dev)) if m.qk_norm else (None, None)
+    return qkv_rope_append(
+        torch.zeros((tokens, (hq + 2 * hkv) * d), dtype=dt, device=dev), torch.zeros(tokens, **i32),
+        torch.zeros((8, m.rotary_dim), dtype=torch.float32, device=dev), hq, hkv, d,
+        torch.zeros((2, 2, page, hkv, d), dtype=plan.kv_dtype, device=dev), torch.zeros(tokens, **i32),
+        torch.zeros(tokens, **i32), torch.ones(1, **i32), torch.zeros(tokens + 1, **i32), *norm,
+        eps=m.rms_norm_eps)
+
+
 def launch_every_kernel(plan, on_step=None) -> None:
-    """Run, on ``meta`` tensors, every Triton launch the plan can make: the MoE layer (router, routing, fused
-    MoE, combine) for each step size from 1 to the largest, and the GEMV for each linear and small step.
-    Inside ``compile_session`` each launch compiles (or lists) its kernel instead of running. ``on_step(t)`` is
-    called before the MoE layer's step of ``t`` tokens, ``on_step(None)`` before the GEMVs."""
+    """Run, on ``meta`` tensors, every Triton launch the plan can make: the attention's QKV kernel, the MoE
+    layer (router, routing, fused MoE, combine) for each step size from 1 to the largest, and the GEMV for each
+    linear and small step. Inside ``compile_session`` each launch compiles (or lists) its kernel instead of
+    running. ``on_step(t)`` is called before the step of ``t`` tokens, ``on_step(None)`` before the GEMVs."""
     on_step = on_step or (lambda t: None)
     fp = plan.triton_fingerprint("?")
     meta = torch.device("meta")
     with torch.no_grad():
+        if fp["fused_qkv"]:  # one kernel for every step size (the token count is the grid)
+            on_step(1)
+            launch_qkv_kernel(plan)
         if fp["moe"] or fp["routing"]:
             layer = meta_moe_layer(plan)
             for tokens in range(1, plan.max_step_tokens + 1):

@@ -34,8 +34,14 @@ def test_dry_run_lists_the_triton_kernels_of_the_bench_configuration():
     text = out.stdout
     assert "Triton kernels for qwen1.5-moe-a2.7b on 9.0a (NVIDIA_H200), steps of 1 to 8192 tokens" in text
     for kernel in ("_topk_route_kernel", "_moe_align_kernel", "_moe_count_kernel", "fused_moe_kernel",
-                   "_silu_and_mul_kernel", "moe_combine_kernel"):
+                   "moe_combine_kernel", "qkv_rope_append_kernel"):
         assert kernel in text, kernel
+    # the SwiGLU activation is in the first expert GEMM's epilogue (no separate kernel for bf16 experts), at half
+    # the tuned column tile; the attention's QKV kernel at Qwen1.5's heads (MHA 16, no q/k norm)
+    assert "_silu_and_mul_kernel" not in text
+    assert "BLOCK_SIZE_N=16 BLOCK_SIZE_K=128 GROUP_SIZE_M=1 MUL_ROUTED_WEIGHT=False EVEN_K=True IEEE_FP32=False " \
+        "PAIRWISE=True SILU_MUL=True" in text
+    assert "HQ=16 HKV=16 D=128 ROT=128 PAGE=16" in text and "QK_NORM=False" in text
     # Qwen1.5's gated shared expert: the combine adds it with the gate from the router's extra row
     assert "TOP_K=4 HAS_SHARED=True HAS_GATE=True" in text
     assert "BLOCK_SIZE_M=16 BLOCK_SIZE_N=32 BLOCK_SIZE_K=128" in text  # the tuned H200 table's M=1 tile
@@ -71,6 +77,23 @@ def test_built_kernels_serve_every_launch_from_disk_after_the_cache_moves(tmp_pa
             for t in (1, 7, 24):
                 layer(torch.empty((t, plan.arch.hidden_size), dtype=plan.dtype, device="meta"))
     assert events and all(e["cache_hit"] for e in events), [e for e in events if not e["cache_hit"]]
+
+
+def test_the_qkv_kernel_is_listed_only_where_attention_takes_the_projection_whole(tmp_path):
+    """FlashInfer attention with FlashInfer rotary: the QKV kernel is in the plan (one entry, any step size);
+    ``attention_fused_qkv: false`` or the torch rotary backend leave it out, and the fingerprint says so."""
+    def qkv_entries(**kw):  # Qwen1.5-MoE's shapes (the tiny model's head_dim 16 runs the torch attention)
+        plan = plan_for_arch(make_config(model="qwen1.5-moe-a2.7b", dtype="bfloat16", max_num_batched_tokens=2,
+                                         max_num_seqs=2, **kw), "9.0a")
+        listed = triton_aot.list_kernels(plan, *H200, tmp_path / str(len(kw)))
+        return (plan.triton_fingerprint(H200[1])["fused_qkv"],
+                [k for k in listed if k["name"] == "qkv_rope_append_kernel"])
+
+    fused, entries = qkv_entries()
+    assert fused and len(entries) == 1
+    for kw in ({"attention_fused_qkv": False}, {"backends": {"rope": "torch"}}):
+        fused, entries = qkv_entries(**kw)
+        assert not fused and entries == [], kw
 
 
 def test_keys_follow_the_target_python(tmp_path):

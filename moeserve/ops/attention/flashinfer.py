@@ -5,7 +5,9 @@
 - Any step with a prefill chunk, mixed with decodes or not, uses one causal
   ``BatchPrefillWithPagedKVCacheWrapper`` plan over all its requests (FA3 on sm90), which also covers
   chunked prefill over earlier pages.
-- New keys and values go in through ``flashinfer.page.append_paged_kv_cache``.
+- New keys and values go in through ``flashinfer.page.append_paged_kv_cache``, or, from the QKV projection
+  whole (``forward_qkv``), through one Triton kernel that also applies the q/k norms and the rotary embedding
+  (``moeserve.ops.attention.qkv_triton``).
 - CUDA graphs: each captured decode batch size gets its own decode wrapper with fixed index buffers;
   ``begin_graph`` plans it and copies the step's positions into the fixed buffers before replay.
 
@@ -43,6 +45,11 @@ class FlashInferAttention(AttentionBackend):
         from flashinfer.page import append_paged_kv_cache
         self._fi = flashinfer
         self._append = append_paged_kv_cache
+        # the one-kernel QKV path (moeserve.ops.attention.qkv_triton) writes the cache in the model's dtype
+        self.fuse_qkv = kv_cache.dtype == dtype and device.type == "cuda"
+        if self.fuse_qkv:
+            from moeserve.ops.attention.qkv_triton import qkv_rope_append
+            self._qkv_rope_append = qkv_rope_append
         self.kv = kv_cache
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
@@ -81,6 +88,15 @@ class FlashInferAttention(AttentionBackend):
         inp = self.inp
         self._append(k, v, inp.batch_indices, inp.token_positions, cache, inp.kv_indices, inp.kv_indptr,
                      inp.kv_last_page_len, kv_layout="NHD")
+        return self.wrapper.run(q, cache)
+
+    def forward_qkv(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
+        cache = self.kv.layer(layer)
+        inp = self.inp
+        q = self._qkv_rope_append(qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim, cache,
+                                  inp.batch_indices, inp.token_positions, inp.kv_indices, inp.kv_indptr,
+                                  q_norm, k_norm, eps)
         return self.wrapper.run(q, cache)
 
     # --- CUDA-graph decode ---------------------------------------------------------------------

@@ -1,0 +1,174 @@
+"""From the QKV projection to the paged KV cache in one Triton kernel: per-head q/k RMSNorm (when the model has
+it), neox rotary embedding of q and k, q written out contiguous, k and v written into their cache slots.
+
+Unfused, a layer launches a rotary kernel, a copy of q out of the strided projection, and FlashInfer's
+``append_paged_kv_cache`` (and, with q/k norms, two norms and their copies): three to seven small kernels in a
+row that each wait for the one before. Here it is one launch of ``(tokens, 2)`` programs: program 0 of a token
+handles its q heads, program 1 its k and v heads. The cache slot of a token is found as FlashInfer's append
+finds it, from the step's CSR metadata (``kv_indices[kv_indptr[b] + p // page_size]``, offset
+``p % page_size``), so CUDA-graph replays that refill those buffers write where the attention kernel reads.
+
+Numerics follow the unfused fast path: the norm in float32 (weight applied in float32, rounded once), the
+rotation in float32 from the rounded normed values with the float32 cos/sin cache, rounded once.
+``qkv_rope_append_reference`` is the same computation in torch, for tests.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm_rope_heads(src, heads, hmask, w_ptr, cos, sin, eps, out_dtype: tl.constexpr, D: tl.constexpr,
+                     ROT: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, QK_NORM: tl.constexpr):
+    """The rotated halves and the unrotated rest of ``[H_PAD]`` heads of ``D`` at ``src`` (float32, masked)."""
+    HALF: tl.constexpr = ROT // 2
+    d = tl.arange(0, HALF_PAD)
+    r = tl.arange(0, REST_PAD)
+    m = hmask[:, None] & (d[None, :] < HALF)
+    mr = hmask[:, None] & (r[None, :] < D - ROT)
+    row = src + heads[:, None] * D
+    x1 = tl.load(row + d[None, :], mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(row + HALF + d[None, :], mask=m, other=0.0).to(tl.float32)
+    xr = tl.load(row + ROT + r[None, :], mask=mr, other=0.0).to(tl.float32)
+    if QK_NORM:
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(xr * xr, axis=1)
+        inv = (1.0 / tl.sqrt(ss / D + eps))[:, None]
+        w1 = tl.load(w_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+        wr = tl.load(w_ptr + ROT + r, mask=r < D - ROT, other=0.0).to(tl.float32)[None, :]
+        x1 = (x1 * inv * w1).to(out_dtype).to(tl.float32)
+        x2 = (x2 * inv * w2).to(out_dtype).to(tl.float32)
+        xr = (xr * inv * wr).to(out_dtype).to(tl.float32)
+    o1 = x1 * cos[None, :] - x2 * sin[None, :]
+    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    return o1, o2, xr
+
+
+@triton.jit
+def _store_heads(dst, stride_head, heads, hmask, o1, o2, xr, D: tl.constexpr, ROT: tl.constexpr,
+                 HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr):
+    HALF: tl.constexpr = ROT // 2
+    d = tl.arange(0, HALF_PAD)
+    r = tl.arange(0, REST_PAD)
+    m = hmask[:, None] & (d[None, :] < HALF)
+    mr = hmask[:, None] & (r[None, :] < D - ROT)
+    row = dst + heads[:, None] * stride_head
+    ty = dst.dtype.element_ty
+    tl.store(row + d[None, :], o1.to(ty), mask=m)
+    tl.store(row + HALF + d[None, :], o2.to(ty), mask=m)
+    tl.store(row + ROT + r[None, :], xr.to(ty), mask=mr)
+
+
+# the step's index tensors are slices of one packed buffer: their addresses are not always 16-byte aligned, and a
+# kernel specialised on that would compile again for other step sizes
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "batch_ptr", "kv_pos_ptr", "kv_indices_ptr", "kv_indptr_ptr"])
+def qkv_rope_append_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_out_ptr, cache_ptr, batch_ptr, kv_pos_ptr,
+                           kv_indices_ptr, kv_indptr_ptr, q_norm_ptr, k_norm_ptr, stride_qkv, stride_cs,
+                           stride_qo, stride_page, stride_kv, stride_slot, stride_head, eps,
+                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
+                           PAGE: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, D_PAD: tl.constexpr,
+                           HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, QK_NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    HALF: tl.constexpr = ROT // 2
+    d = tl.arange(0, HALF_PAD)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=d < HALF, other=0.0)
+    src = qkv_ptr + t * stride_qkv
+    out_dtype = q_out_ptr.dtype.element_ty
+    if part == 0:
+        heads = tl.arange(0, HQ_PAD)
+        hmask = heads < HQ
+        o1, o2, xr = _norm_rope_heads(src, heads, hmask, q_norm_ptr, cos, sin, eps, out_dtype, D, ROT, HALF_PAD,
+                                      REST_PAD, QK_NORM)
+        _store_heads(q_out_ptr + t * stride_qo, D, heads, hmask, o1, o2, xr, D, ROT, HALF_PAD, REST_PAD)
+    else:
+        heads = tl.arange(0, HKV_PAD)
+        hmask = heads < HKV
+        b = tl.load(batch_ptr + t)
+        p = tl.load(kv_pos_ptr + t)
+        page = tl.load(kv_indices_ptr + tl.load(kv_indptr_ptr + b) + p // PAGE).to(tl.int64)
+        slot = cache_ptr + page * stride_page + (p % PAGE).to(tl.int64) * stride_slot
+        o1, o2, xr = _norm_rope_heads(src + HQ * D, heads, hmask, k_norm_ptr, cos, sin, eps, out_dtype, D, ROT,
+                                      HALF_PAD, REST_PAD, QK_NORM)
+        _store_heads(slot, stride_head, heads, hmask, o1, o2, xr, D, ROT, HALF_PAD, REST_PAD)
+        dd = tl.arange(0, D_PAD)
+        mv = hmask[:, None] & (dd[None, :] < D)
+        v = tl.load(src + (HQ + HKV) * D + heads[:, None] * D + dd[None, :], mask=mv, other=0.0)
+        tl.store(slot + stride_kv + heads[:, None] * stride_head + dd[None, :], v, mask=mv)
+
+
+def _check(qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache):
+    t, width = qkv.shape
+    if width != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
+        raise ValueError(f"qkv_rope_append: qkv {tuple(qkv.shape)} is not [T, (Hq + 2 Hkv) * D] with contiguous rows")
+    rot = cos_sin.shape[1]
+    if rot % 2 or rot > head_dim:
+        raise ValueError(f"qkv_rope_append: rotary width {rot} must be even and at most head_dim {head_dim}")
+    if cache.dim() != 5 or cache.shape[1] != 2 or tuple(cache.shape[3:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"qkv_rope_append: cache {tuple(cache.shape)} is not [pages, 2, page, Hkv, D]")
+    if cache.dtype != qkv.dtype or cache.stride(4) != 1:
+        raise ValueError(f"qkv_rope_append: cache must be {qkv.dtype} with contiguous heads, got {cache.dtype}")
+
+
+def qkv_rope_append(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+                    num_kv_heads: int, head_dim: int, cache: torch.Tensor, batch_indices: torch.Tensor,
+                    kv_positions: torch.Tensor, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
+                    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """q ``[T, Hq, D]`` (normed when ``q_norm``, rotated), with k (normed, rotated) and v of ``qkv``
+    ``[T, (Hq + 2 Hkv) * D]`` written into ``cache`` ``[pages, 2, page_size, Hkv, D]`` (FlashInfer's NHD layer)
+    at each token's slot. ``cos_sin``: float32 ``[positions, rotary_dim]``, cos then sin (neox rotation of the
+    first ``rotary_dim`` dims of each head). ``q_norm``/``k_norm``: per-head RMSNorm weights ``[D]`` (both or
+    neither)."""
+    _check(qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache)
+    t = qkv.shape[0]
+    q = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if t == 0:
+        return q
+    rot = cos_sin.shape[1]
+    norm = q_norm is not None
+    if norm != (k_norm is not None):
+        raise ValueError("qkv_rope_append: q_norm and k_norm go together")
+    p2 = triton.next_power_of_2
+    qkv_rope_append_kernel[(t, 2)](
+        qkv, positions, cos_sin, q, cache, batch_indices, kv_positions, kv_indices, kv_indptr,
+        q_norm if norm else qkv, k_norm if norm else qkv, qkv.stride(0), cos_sin.stride(0), q.stride(0),
+        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), eps,
+        HQ=num_heads, HKV=num_kv_heads, D=head_dim, ROT=rot, PAGE=cache.shape[2], HQ_PAD=p2(num_heads),
+        HKV_PAD=p2(num_kv_heads), D_PAD=p2(head_dim), HALF_PAD=p2(rot // 2), REST_PAD=max(2, p2(head_dim - rot)),
+        QK_NORM=norm, num_warps=4)
+    return q
+
+
+def qkv_rope_append_reference(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+                              num_kv_heads: int, head_dim: int, cache: torch.Tensor, batch_indices: torch.Tensor,
+                              kv_positions: torch.Tensor, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
+                              q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                              eps: float = 1e-6) -> torch.Tensor:
+    """:func:`qkv_rope_append` in torch (the same rounding points)."""
+    t, dtype = qkv.shape[0], qkv.dtype
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = (x.reshape(t, x.shape[1] // head_dim, head_dim) for x in (q, k, v))
+    rot = cos_sin.shape[1]
+    half = rot // 2
+    cs = cos_sin[positions.long()].float()
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+
+    def norm_rope(x, w):
+        x = x.float()
+        if w is not None:
+            x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(dtype).float()
+        x1, x2, rest = x[..., :half], x[..., half:rot], x[..., rot:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1).to(dtype)
+
+    q, k = norm_rope(q, q_norm), norm_rope(k, k_norm)
+    page_size = cache.shape[2]
+    b, p = batch_indices.long(), kv_positions.long()
+    pages = kv_indices.long()[kv_indptr.long()[b] + p // page_size]
+    cache[pages, 0, p % page_size] = k
+    cache[pages, 1, p % page_size] = v.to(dtype)
+    return q
