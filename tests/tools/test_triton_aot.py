@@ -96,6 +96,21 @@ def test_the_qkv_kernel_is_listed_only_where_attention_takes_the_projection_whol
         assert not fused and entries == [], kw
 
 
+def test_the_qkv_kernel_compiles_for_sm90_with_gqa_and_qk_norm(tmp_path):
+    """Qwen3-MoE's attention (32 query heads over 4 kv heads, per-head q/k norms): the kernel compiles for the H200
+    (the interpreter runs it without Triton's type checks, so a compile is its own test)."""
+    import torch
+    plan = plan_for_arch(make_config(model="qwen3-30b-a3b", dtype="bfloat16", max_num_batched_tokens=2,
+                                     max_num_seqs=2), "9.0a")
+    assert plan.fused_qkv and plan.arch.qk_norm and plan.arch.num_kv_heads < plan.arch.num_heads
+    with triton_aot.compile_session(tmp_path, (9, 0), triton_aot.target_triton_key(None)[0]) as events, \
+            torch.no_grad():
+        triton_aot.launch_qkv_kernel(plan)
+    assert [e["name"] for e in events] == ["qkv_rope_append_kernel"]
+    consts = list(events[0]["constants"].values())  # HQ, HKV, D, ROT, PAGE, ..., QK_NORM in signature order
+    assert consts[:5] == ["32", "4", "128", "128", "16"] and consts[-1] == "True"
+
+
 def test_keys_follow_the_target_python(tmp_path):
     other = "3.12" if triton_aot.python_tag() != "cp312" else "3.11"
     if triton_aot.python_tag(other) == "cp312":

@@ -79,26 +79,28 @@ def qkv_rope_append_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_out_ptr, cache_ptr, 
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=d < HALF, other=0.0)
     src = qkv_ptr + t * stride_qkv
     out_dtype = q_out_ptr.dtype.element_ty
+    # (the two branches' tensors have different head counts, so each has its own names: Triton types a name
+    # assigned in both branches of an ``if`` as one)
     if part == 0:
-        heads = tl.arange(0, HQ_PAD)
-        hmask = heads < HQ
-        o1, o2, xr = _norm_rope_heads(src, heads, hmask, q_norm_ptr, cos, sin, eps, out_dtype, D, ROT, HALF_PAD,
+        qh = tl.arange(0, HQ_PAD)
+        qm = qh < HQ
+        q1, q2, qr = _norm_rope_heads(src, qh, qm, q_norm_ptr, cos, sin, eps, out_dtype, D, ROT, HALF_PAD,
                                       REST_PAD, QK_NORM)
-        _store_heads(q_out_ptr + t * stride_qo, D, heads, hmask, o1, o2, xr, D, ROT, HALF_PAD, REST_PAD)
+        _store_heads(q_out_ptr + t * stride_qo, D, qh, qm, q1, q2, qr, D, ROT, HALF_PAD, REST_PAD)
     else:
-        heads = tl.arange(0, HKV_PAD)
-        hmask = heads < HKV
+        kh = tl.arange(0, HKV_PAD)
+        km = kh < HKV
         b = tl.load(batch_ptr + t)
         p = tl.load(kv_pos_ptr + t)
         page = tl.load(kv_indices_ptr + tl.load(kv_indptr_ptr + b) + p // PAGE).to(tl.int64)
         slot = cache_ptr + page * stride_page + (p % PAGE).to(tl.int64) * stride_slot
-        o1, o2, xr = _norm_rope_heads(src + HQ * D, heads, hmask, k_norm_ptr, cos, sin, eps, out_dtype, D, ROT,
+        k1, k2, kr = _norm_rope_heads(src + HQ * D, kh, km, k_norm_ptr, cos, sin, eps, out_dtype, D, ROT,
                                       HALF_PAD, REST_PAD, QK_NORM)
-        _store_heads(slot, stride_head, heads, hmask, o1, o2, xr, D, ROT, HALF_PAD, REST_PAD)
+        _store_heads(slot, stride_head, kh, km, k1, k2, kr, D, ROT, HALF_PAD, REST_PAD)
         dd = tl.arange(0, D_PAD)
-        mv = hmask[:, None] & (dd[None, :] < D)
-        v = tl.load(src + (HQ + HKV) * D + heads[:, None] * D + dd[None, :], mask=mv, other=0.0)
-        tl.store(slot + stride_kv + heads[:, None] * stride_head + dd[None, :], v, mask=mv)
+        mv = km[:, None] & (dd[None, :] < D)
+        v = tl.load(src + (HQ + HKV) * D + kh[:, None] * D + dd[None, :], mask=mv, other=0.0)
+        tl.store(slot + stride_kv + kh[:, None] * stride_head + dd[None, :], v, mask=mv)
 
 
 def _check(qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache):
