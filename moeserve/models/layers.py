@@ -194,6 +194,9 @@ class SparseMoE(nn.Module):
         expert's), chosen for every token with its gate as weight (1 without a gate). Returns the pieces."""
         if self.shared_expert is None or self.fused_shared:
             return self.fused_shared
+        if self.w13_order != "gate_up":
+            raise RuntimeError("fuse_shared_expert: run it before the MoE backend's prepare (the experts' rows were "
+                               f"laid out as {self.w13_order!r})")
         if self.w13_scale_inv is not None or self.shared_expert_gate is not None or self.moe_parallel is not None:
             raise ValueError("moe_fuse_shared_expert: needs unquantised experts, one GPU and the shared expert's "
                              "gate (if any) in the router")

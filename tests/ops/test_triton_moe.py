@@ -70,6 +70,15 @@ PAIRWISE_CASES = {
 }
 # name: (T, E, k): routing with about half the ids -1
 MASKED_CASES = {"T1": (1, 8, 2), "T33": (33, 8, 2), "T17-k4": (17, 4, 4)}
+# gate/up rows interleaved, the activation in the first GEMM's epilogue (I=40: 2I=80 rows end in a partial tile)
+# name: (T, E, k, dtype, config, pairwise, masked ids)
+INTERLEAVED_CASES = {
+    "T1-pairwise": (1, 8, 2, torch.float32, None, True, False),
+    "T3-k4-pairwise-A": (3, 8, 4, torch.float32, CFG_A, True, False),
+    "T33-A": (33, 8, 2, torch.float32, CFG_A, False, False),
+    "T33-B-fp16": (33, 8, 2, torch.float16, CFG_B, False, False),
+    "T17-even-K-masked": (17, 4, 3, torch.float32, CFG_EVEN, False, True),
+}
 COMBINE_BF16_TOL = 1e-2  # relative, one bf16 rounding of a float32 sum (2**-8 = 3.9e-3 per element at most)
 
 
@@ -107,9 +116,9 @@ def check_alignment(sorted_ids, expert_ids, ntpp, topk_ids, block_m, E):
 def _interpreter_worker(in_path: str, out_path: str) -> None:
     patch_for_numpy()
     from moeserve.ops.moe.combine_triton import moe_combine_triton
-    from moeserve.ops.moe.triton_kernels import fused_moe, moe_align_block_size
+    from moeserve.ops.moe.triton_kernels import fused_moe, interleave_gate_up, moe_align_block_size
     inputs = torch.load(in_path)
-    out = {"moe": {}, "align": {}, "combine": {}, "masked": {}, "pairwise": {}}
+    out = {"moe": {}, "align": {}, "combine": {}, "masked": {}, "pairwise": {}, "interleaved": {}}
     for name, (down, k, shared, gate) in inputs["combine"].items():
         out["combine"][name] = moe_combine_triton(down, k, shared, gate)
     for name, (x, w13, w2, tw, ti, cfg) in inputs["moe"].items():
@@ -120,6 +129,9 @@ def _interpreter_worker(in_path: str, out_path: str) -> None:
         out["masked"][name] = fused_moe(x, w13, w2, tw, ti, masked_ids=True)
     for name, (x, w13, w2, tw, ti, cfg) in inputs["pairwise"].items():
         out["pairwise"][name] = fused_moe(x, w13, w2, tw, ti, config=cfg, pairwise_max_tokens=x.shape[0])
+    for name, (x, w13, w2, tw, ti, cfg, pairwise, masked) in inputs["interleaved"].items():
+        out["interleaved"][name] = fused_moe(x, interleave_gate_up(w13), w2, tw, ti, config=cfg, interleaved=True,
+                                             pairwise_max_tokens=x.shape[0] if pairwise else 0, masked_ids=masked)
     torch.save(out, out_path)
 
 
@@ -148,7 +160,15 @@ def interpreted(tmp_path_factory):
     for name, (T, E, k, dtype, cfg) in PAIRWISE_CASES.items():
         H, I = (72, 40) if "odd-K" in name else (64, 32)
         pairwise[name] = (*random_moe_inputs(T, E, k, H, I, dtype, gen), cfg)
-    inputs = {"moe": moe, "align": align, "combine": combine, "masked": masked, "pairwise": pairwise}
+    interleaved = {}
+    for name, (T, E, k, dtype, cfg, pw, masked_ids) in INTERLEAVED_CASES.items():
+        H, I = (64, 32) if "even-K" in name else (72, 40)
+        x, w13, w2, tw, ti = random_moe_inputs(T, E, k, H, I, dtype, gen)
+        if masked_ids:
+            ti = ti.masked_fill(torch.rand(ti.shape, generator=gen) < 0.5, -1)
+        interleaved[name] = (x, w13, w2, tw, ti, cfg, pw, masked_ids)
+    inputs = {"moe": moe, "align": align, "combine": combine, "masked": masked, "pairwise": pairwise,
+              "interleaved": interleaved}
     return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("interp"), SEED)
 
 
@@ -197,6 +217,44 @@ def test_pairwise_fused_moe_interpreter(interpreted, name):
     else:
         err = float((y.double() - ref).norm() / ref.norm())
         assert err < FP16_REL_FRO, f"seed {SEED}: relative Frobenius error {err:.3g}"
+
+
+@pytest.mark.parametrize("name", list(INTERLEAVED_CASES))
+def test_interleaved_gate_up_fused_moe_interpreter(interpreted, name):
+    """Gate/up rows interleaved and the SwiGLU activation in the first GEMM's epilogue: the same MoE (the
+    reference reads the original, gate-then-up weights)."""
+    inputs, outputs = interpreted
+    x, w13, w2, tw, ti, _, _, masked_ids = inputs["interleaved"][name]
+    y = outputs["interleaved"][name]
+    if masked_ids:
+        tw, ti = tw * (ti >= 0), ti.clamp(min=0)
+    ref = reference_moe(x, w13, w2, tw, ti)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    if x.dtype == torch.float32:
+        torch.testing.assert_close(y.double(), ref, rtol=FP32_RTOL, atol=FP32_ATOL, msg=lambda m: f"seed {SEED}: {m}")
+    else:
+        err = float((y.double() - ref).norm() / ref.norm())
+        assert err < FP16_REL_FRO, f"seed {SEED}: relative Frobenius error {err:.3g}"
+
+
+def test_interleave_gate_up_layout_and_the_backend_lays_out_once():
+    """Row ``2j`` is gate row ``j``, ``2j + 1`` up row ``j``; ``deinterleave_gate_up`` undoes it. The Triton
+    backend's ``prepare`` interleaves a bf16 layer's experts once (and says so in ``w13_order``)."""
+    from types import SimpleNamespace
+
+    from moeserve.ops.moe.triton_backend import TritonMoE
+    from moeserve.ops.moe.triton_kernels import deinterleave_gate_up, interleave_gate_up
+    gen = torch.Generator().manual_seed(SEED)
+    w13 = torch.randn(3, 10, 6, generator=gen)
+    w = interleave_gate_up(w13)
+    assert torch.equal(w[:, 0::2], w13[:, :5]) and torch.equal(w[:, 1::2], w13[:, 5:])
+    assert torch.equal(deinterleave_gate_up(w), w13)
+    layer = SimpleNamespace(w13=torch.nn.Parameter(w13.clone(), requires_grad=False), w13_scale_inv=None,
+                            w13_order="gate_up", fused_shared=0, top_k=2)
+    moe = TritonMoE(torch.device("cpu"), torch.float32)
+    moe.prepare(layer)
+    moe.prepare(layer)
+    assert layer.w13_order == "interleaved" and torch.equal(layer.w13, w)
 
 
 @pytest.mark.parametrize("name", list(MASKED_CASES))
@@ -327,21 +385,27 @@ def qwen_weights():
 @needs_cuda
 @pytest.mark.parametrize("M,pairwise", [(1, False), (1, True), (4, True), (7, False), (64, False), (512, False)])
 @pytest.mark.parametrize("shape", list(QWEN_SHAPES))
-def test_fused_moe_bf16_gpu(qwen_weights, shape, M, pairwise):
-    from moeserve.ops.moe.triton_kernels import fused_moe
+@pytest.mark.parametrize("interleaved", [False, True], ids=["gate-up", "interleaved"])
+def test_fused_moe_bf16_gpu(qwen_weights, shape, M, pairwise, interleaved):
+    from moeserve.ops.moe.triton_kernels import fused_moe, interleave_gate_up
     E, I, H, k = QWEN_SHAPES[shape]
     w13, w2 = qwen_weights(shape)
     gen = torch.Generator(device="cuda").manual_seed(SEED + M)
     x = torch.randn(M, H, generator=gen, device="cuda").bfloat16()
     tw, ti = random_routing(M, E, k, gen, "cuda", torch.int64 if M % 2 else torch.int32)
+    w = interleave_gate_up(w13) if interleaved else w13
     torch.cuda.set_sync_debug_mode("error")
     try:
-        y = fused_moe(x, w13, w2, tw, ti, pairwise_max_tokens=M if pairwise else 0)
+        y = fused_moe(x, w, w2, tw, ti, pairwise_max_tokens=M if pairwise else 0, interleaved=interleaved)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     ref = reference_moe(x, w13, w2, tw, ti, dtype=torch.float32)
     err = float((y.float() - ref).norm() / ref.norm())
     assert y.dtype == torch.bfloat16 and err < BF16_REL_FRO, f"seed {SEED}: rel Frobenius error {err:.3g}"
+    if interleaved:  # the same roundings as the separate activation kernel: the unfused path's result, up to the
+        plain = fused_moe(x, w13, w2, tw, ti, pairwise_max_tokens=M if pairwise else 0)  # order of MMA sums
+        err = float((y.float() - plain.float()).norm() / plain.float().norm())
+        assert err < 1e-3, f"seed {SEED}: {err:.3g} from the unfused path"
 
 
 @gpu

@@ -36,10 +36,10 @@ def test_dry_run_lists_the_triton_kernels_of_the_bench_configuration():
     for kernel in ("_topk_route_kernel", "_moe_align_kernel", "_moe_count_kernel", "fused_moe_kernel",
                    "moe_combine_kernel", "qkv_rope_append_kernel"):
         assert kernel in text, kernel
-    # the SwiGLU activation is in the first expert GEMM's epilogue (no separate kernel for bf16 experts), at half
-    # the tuned column tile; the attention's QKV kernel at Qwen1.5's heads (MHA 16, no q/k norm)
+    # the SwiGLU activation is in the first expert GEMM's epilogue (no separate kernel for bf16 experts, whose gate
+    # and up rows the backend interleaves), at the tuned tile; the attention's QKV kernel at Qwen1.5's heads
     assert "_silu_and_mul_kernel" not in text
-    assert "BLOCK_SIZE_N=16 BLOCK_SIZE_K=128 GROUP_SIZE_M=1 MUL_ROUTED_WEIGHT=False EVEN_K=True IEEE_FP32=False " \
+    assert "BLOCK_SIZE_N=32 BLOCK_SIZE_K=128 GROUP_SIZE_M=1 MUL_ROUTED_WEIGHT=False EVEN_K=True IEEE_FP32=False " \
         "PAIRWISE=True SILU_MUL=True" in text
     assert "HQ=16 HKV=16 D=128 ROT=128 PAGE=16" in text and "QK_NORM=False" in text
     # Qwen1.5's gated shared expert: the combine adds it with the gate from the router's extra row

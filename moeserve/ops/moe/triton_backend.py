@@ -1,6 +1,8 @@
 """moeserve's fused MoE Triton kernel as a MoE backend, with tuned per-shape configs.
 
 High-precision experts run ``triton_kernels.fused_moe``; block-FP8 experts run ``fp8_triton.fused_moe_fp8``.
+``prepare`` interleaves a high-precision layer's gate and up rows (``w13_order = "interleaved"``) so the first
+expert GEMM writes the SwiGLU activation itself (one launch fewer per layer).
 (Routing is the ``routing`` operator's: see ``moeserve.ops.moe.routing``.)
 """
 from __future__ import annotations
@@ -30,6 +32,9 @@ class TritonMoE(MoEBackend):
         self.pairwise_max_tokens = 0  # steps of at most this many tokens skip the alignment (bf16/fp16 experts)
 
     def prepare(self, layer) -> None:
+        if layer.w13_scale_inv is None and layer.w13_order == "gate_up":
+            layer.w13.data = self._kernels.interleave_gate_up(layer.w13.data)
+            layer.w13_order = "interleaved"
         e, two_i, h = layer.w13.shape
         e -= layer.fused_shared  # a fused shared expert's pieces are not in the tuned tables' expert count
         fp8 = layer.w13_scale_inv is not None
@@ -59,5 +64,6 @@ class TritonMoE(MoEBackend):
             config = self._configs.get_config(x.shape[0], e - layer.fused_shared, two_i // 2, h, layer.top_k,
                                               x.dtype)[0] if x.shape[0] else None
         return self._kernels.fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, config=config, shared=shared,
-                                       masked_ids=masked, pairwise_max_tokens=self.pairwise_max_tokens)
+                                       masked_ids=masked, pairwise_max_tokens=self.pairwise_max_tokens,
+                                       interleaved=layer.w13_order == "interleaved")
 

@@ -1,6 +1,10 @@
-"""Fused mixture-of-experts in Triton: token alignment and a grouped GEMM kernel in the style of vLLM's
-``fused_moe_kernel`` (the first GEMM computes SwiGLU's gate and up tiles together and writes the activation),
-composed by :func:`fused_moe`; ``silu_and_mul`` stays for the FP8 path.
+"""Fused mixture-of-experts in Triton: token alignment, a grouped GEMM kernel in the style of vLLM's
+``fused_moe_kernel``, and SiLU-and-mul, composed by :func:`fused_moe`.
+
+With the experts' gate and up rows interleaved (``interleave_gate_up``: row ``2j`` gate ``j``, row ``2j + 1`` up
+``j``; the Triton MoE backend lays them out so once the weights are loaded) the first GEMM writes the SwiGLU
+activation itself: every column tile holds the gate and up columns of the same outputs, so the epilogue pairs
+them, and the separate SiLU-and-mul launch and its round trip through memory go away.
 
 Every launch here is free of host synchronisation, so :func:`fused_moe` can be captured in a CUDA graph
 for a fixed number of tokens.
@@ -14,7 +18,7 @@ import triton.language as tl
 from .combine import SharedExpertOutput, moe_combine
 from .triton_configs import get_config
 
-__all__ = ["moe_align_block_size", "fused_moe", "fused_moe_warmup", "invoke_fused_moe_kernel"]
+__all__ = ["moe_align_block_size", "fused_moe", "fused_moe_warmup", "invoke_fused_moe_kernel", "interleave_gate_up"]
 
 _META_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M")
 _ALIGN_SINGLE_CHUNK_LIMIT = 1024
@@ -189,10 +193,9 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
     (``>= num_valid_tokens``) are skipped. With ``MUL_ROUTED_WEIGHT`` each row is scaled by
     ``topk_weights[s]`` in fp32 before the cast to ``C``'s dtype. ``EM`` bounds the padded row count.
     ``PAIRWISE``: one tile per flat routing pair, ``expert_ids`` is the flat ``topk_ids`` (see ``tile_rows``).
-    ``SILU_MUL``: ``B`` holds ``2N`` rows per expert (gate rows ``[0, N)``, up rows ``[N, 2N)``) and the program
-    computes the gate and up tiles of its ``N`` columns side by side, writing ``silu(gate) * up`` (each rounded
-    to ``C``'s dtype first, as a separate activation kernel would read them): the SwiGLU activation in the
-    epilogue of the first expert GEMM, one launch fewer per layer.
+    ``SILU_MUL``: ``B``'s ``N`` rows are interleaved gate/up pairs and ``C`` has ``N // 2`` columns: the tile's
+    columns ``2j`` and ``2j + 1`` (each rounded to ``C``'s dtype first, as a separate activation kernel would
+    read them) become ``silu(gate) * up`` in column ``j`` of a half-width tile.
     """
     pid_m, pid_n = program_tile(EM, N, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
     if not PAIRWISE:
@@ -207,40 +210,29 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
     b_ptrs = b_ptr + off_expert * stride_be + (offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn)
 
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    if SILU_MUL:
-        up_ptrs = b_ptrs + N * stride_bn
-        acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=token_mask[:, None], other=0.0)
             b = tl.load(b_ptrs)
-            if SILU_MUL:
-                b_up = tl.load(up_ptrs)
         else:
             k_left = K - k * BLOCK_SIZE_K
             a = tl.load(a_ptrs, mask=token_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            if SILU_MUL:
-                b_up = tl.load(up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         if IEEE_FP32:
             acc = tl.dot(a, b, acc=acc, input_precision="ieee")
-            if SILU_MUL:
-                acc_up = tl.dot(a, b_up, acc=acc_up, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc=acc)
-            if SILU_MUL:
-                acc_up = tl.dot(a, b_up, acc=acc_up)
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
-        if SILU_MUL:
-            up_ptrs += BLOCK_SIZE_K * stride_bk
 
     if SILU_MUL:
-        gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
-        acc = gate / (1.0 + tl.exp(-gate)) * up
-    store_tile(acc, c_ptr, topk_weights_ptr, offs_token, token_mask, pid_n, N, stride_cm, stride_cn, BLOCK_SIZE_N,
-               MUL_ROUTED_WEIGHT)
+        gate, up = tl.split(tl.reshape(acc.to(c_ptr.dtype.element_ty).to(tl.float32),
+                                       (BLOCK_SIZE_M, BLOCK_SIZE_N // 2, 2)))
+        store_tile(gate / (1.0 + tl.exp(-gate)) * up, c_ptr, topk_weights_ptr, offs_token, token_mask, pid_n, N // 2,
+                   stride_cm, stride_cn, BLOCK_SIZE_N // 2, MUL_ROUTED_WEIGHT)
+    else:
+        store_tile(acc, c_ptr, topk_weights_ptr, offs_token, token_mask, pid_n, N, stride_cm, stride_cn, BLOCK_SIZE_N,
+                   MUL_ROUTED_WEIGHT)
 
 
 @triton.jit
@@ -277,16 +269,15 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t
     enables routed-weight scaling. ``max_padded_rows`` is an upper bound on ``num_tokens_post_padded``
     that shrinks the grid (defaults to ``len(sorted_token_ids)``). ``pairwise``: ``expert_ids`` is the flat
     ``topk_ids`` and each (token, expert) pair is its own row tile (no alignment; ``sorted_token_ids`` and
-    ``num_tokens_post_padded`` are not read). ``silu_mul``: ``b`` is ``[E, 2N, K]`` (gate rows, then up rows)
-    and ``c`` ``[rows, N]`` receives ``silu(gate) * up``; the column tile is half the config's, so the launch has
-    as many programs, each reading as many weight bytes, as the unfused GEMM over ``2N`` columns.
+    ``num_tokens_post_padded`` are not read). ``silu_mul``: ``b`` holds interleaved gate/up rows
+    (``interleave_gate_up``) and ``c`` ``[rows, N / 2]`` receives ``silu(gate) * up``.
     """
     num_valid, n = c.shape
     k = b.shape[2]
     if silu_mul:
-        if b.shape[1] != 2 * n:
-            raise ValueError(f"silu_mul: b has {b.shape[1]} rows per expert, expected 2 * {n}")
-        config = dict(config, BLOCK_SIZE_N=max(16, int(config["BLOCK_SIZE_N"]) // 2))
+        n *= 2
+        if b.shape[1] != n:
+            raise ValueError(f"silu_mul: b has {b.shape[1]} rows per expert, expected {n}")
     meta, opts, em, grid = launch_params(config, n, sorted_token_ids, max_padded_rows)
     if pairwise:
         meta["BLOCK_SIZE_M"] = PAIRWISE_BLOCK_M
@@ -301,6 +292,18 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t
     if warmup:
         return fused_moe_kernel.warmup(*args, grid=grid, **kwargs)
     return fused_moe_kernel[grid](*args, **kwargs)
+
+
+def interleave_gate_up(w13: torch.Tensor) -> torch.Tensor:
+    """``[E, 2I, H]`` gate rows then up rows -> rows ``2j`` gate ``j``, ``2j + 1`` up ``j`` (a new tensor)."""
+    e, two_i, h = w13.shape
+    return w13.view(e, 2, two_i // 2, h).transpose(1, 2).reshape(e, two_i, h)
+
+
+def deinterleave_gate_up(w13: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`interleave_gate_up`."""
+    e, two_i, h = w13.shape
+    return w13.view(e, two_i // 2, 2, h).transpose(1, 2).reshape(e, two_i, h)
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -332,7 +335,7 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids):
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: dict | None = None, out: torch.Tensor | None = None,
               shared: SharedExpertOutput | None = None, masked_ids: bool = False,
-              pairwise_max_tokens: int = 0) -> torch.Tensor:
+              pairwise_max_tokens: int = 0, interleaved: bool = False) -> torch.Tensor:
     """Mixture-of-experts SwiGLU MLP: ``sum_j w[t,j] * w2[e] @ (silu(gate_e x_t) * up_e x_t)``, ``e = ids[t,j]``.
 
     ``x`` ``[T, H]``; ``w13`` ``[E, 2I, H]`` (gate rows ``[0, I)``, up rows ``[I, 2I)``); ``w2`` ``[E, H, I]``;
@@ -342,7 +345,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     ``topk_ids`` may hold -1 (experts of other ranks), which add nothing. GEMMs accumulate in fp32; no host
     synchronisation. Steps of at most ``pairwise_max_tokens`` tokens (and no masked ids) skip the alignment:
     each (token, expert) pair is its own row tile, one launch fewer per layer for the price of reading an
-    expert once per pair that picks it rather than once per step.
+    expert once per pair that picks it rather than once per step. ``interleaved``: ``w13``'s rows are
+    interleaved gate/up pairs (:func:`interleave_gate_up`) and the first GEMM writes the activation itself.
     """
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
     t, h = x.shape
@@ -369,9 +373,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, block_m, e)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
 
-    act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
-    invoke_fused_moe_kernel(x, w13, act, None, sorted_ids, expert_ids, ntpp, top_k, config, max_rows,
-                            pairwise=pairwise, silu_mul=True)
+    if interleaved:
+        act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+        invoke_fused_moe_kernel(x, w13, act, None, sorted_ids, expert_ids, ntpp, top_k, config, max_rows,
+                                pairwise=pairwise, silu_mul=True)
+    else:
+        gate_up = torch.empty((rows, two_i), dtype=x.dtype, device=x.device)
+        invoke_fused_moe_kernel(x, w13, gate_up, None, sorted_ids, expert_ids, ntpp, top_k, config, max_rows,
+                                pairwise=pairwise)
+        act = silu_and_mul(gate_up)
     # rows of a masked id are never written: zero them for the combine's sum
     down = (torch.zeros if masked_ids else torch.empty)((rows, h), dtype=x.dtype, device=x.device)
     invoke_fused_moe_kernel(act, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, config, max_rows,
@@ -379,7 +389,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return moe_combine(down, top_k, shared, out)
 
 
-def fused_moe_warmup(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, config: dict):
+def fused_moe_warmup(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, config: dict,
+                     interleaved: bool = False):
     """Compile (without launching) both GEMM variants :func:`fused_moe` uses for these shapes and ``config``.
 
     Returns the two compiled kernels (``FutureKernel`` objects inside ``triton.AsyncCompileMode``).
@@ -392,9 +403,10 @@ def fused_moe_warmup(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k
     expert_ids = torch.zeros((1,), dtype=torch.int32, device=dev)
     ntpp = torch.zeros((1,), dtype=torch.int32, device=dev)
     weights = torch.zeros((rows,), dtype=torch.float32, device=dev)
+    gate_up = torch.empty((rows, two_i // 2 if interleaved else two_i), dtype=x.dtype, device=dev)
     act = torch.empty((rows, two_i // 2), dtype=x.dtype, device=dev)
     down = torch.empty((rows, h), dtype=x.dtype, device=dev)
-    k1 = invoke_fused_moe_kernel(x, w13, act, None, sorted_ids, expert_ids, ntpp, top_k, config, warmup=True,
-                                 silu_mul=True)
+    k1 = invoke_fused_moe_kernel(x, w13, gate_up, None, sorted_ids, expert_ids, ntpp, top_k, config, warmup=True,
+                                 silu_mul=interleaved)
     k2 = invoke_fused_moe_kernel(act, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, config, warmup=True)
     return k1, k2
