@@ -290,10 +290,9 @@ class ModelRunner:
         if moe is not None and self.backend_names["moe"] == "triton":
             if sizes is None:
                 sizes = tuned_config_sizes(self.arch, self.dtype, self.plan.max_step_tokens)
-            for t in sizes:  # as the decoder layer calls it: with the residual and the next layer's norm
+            for t in sizes:
                 if t <= self.plan.max_step_tokens:
-                    x = torch.zeros((t, self.arch.hidden_size), dtype=self.dtype, device=self.device)
-                    moe(x, torch.zeros_like(x), self.model.norm, self.arch.rms_norm_eps)
+                    moe(torch.zeros((t, self.arch.hidden_size), dtype=self.dtype, device=self.device))
         n = min(self.cfg.max_num_batched_tokens, self.max_model_len)
         need = -(-n // self.page_size)
         if need < self.kv.num_pages:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from moeserve.models.arch import ArchConfig
 from moeserve.models.base import Entry, Linear, Ops, empty_param, is_fp8_ops, tp_shard
 from moeserve.models.parallel import MoEParallel, Shard, local_experts, local_heads, padded_vocab
-from moeserve.ops.moe.combine import AddNorm, SharedExpertOutput
+from moeserve.ops.moe.combine import SharedExpertOutput
 from moeserve.ops.moe.routing import append_shared, select_experts
 from moeserve.quant.fp8 import FP8_DTYPE, block_scale_shape
 from moeserve.quant.moe_ref import experts_fp8_reference
@@ -218,20 +218,7 @@ class SparseMoE(nn.Module):
         self.fused_shared = pieces
         return pieces
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                eps: float = 0.0):
-        """The block's output for ``x``; given the residual stream and the next layer's input-norm weight,
-        ``(that layer's normed input, the residual with this output added)`` instead: in the combine kernel
-        where the MoE backend can (``fuses_add_norm``, high-precision experts, one rank), else by the norm
-        backend after it."""
-        if residual is None:
-            return self._forward(x, None)
-        fused = self.ops.moe.fuses_add_norm and self.w13_scale_inv is None and self.moe_parallel is None
-        if fused:
-            return self._forward(x, AddNorm(residual, norm_weight, eps)), residual
-        return self.ops.norm.add_rmsnorm(self._forward(x, None), residual, norm_weight, eps)
-
-    def _forward(self, x: torch.Tensor, add_norm: AddNorm | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = None
         stream = self.ops.side_stream
         if self.shared_expert is not None and stream is not None and x.shape[0] <= self.ops.side_stream_max_tokens:
@@ -245,8 +232,6 @@ class SparseMoE(nn.Module):
             shared.gate_logit = gate_logit  # the router's GEMM computed the gate on this stream
         if self.moe_parallel is not None:  # dispatch to the ranks' experts, combine their partial sums
             return self.moe_parallel(self.run_experts, x, weights, ids, shared)
-        if add_norm is not None:
-            return self.ops.moe.experts(x, weights, ids, self, shared=shared, add_norm=add_norm)
         return self.run_experts(x, weights, ids, shared)
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -310,23 +295,21 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = empty_param((arch.hidden_size,), dtype, device)
         self.post_attention_layernorm = empty_param((arch.hidden_size,), dtype, device)
         self.self_attn = Attention(ops, arch, layer_idx, rope, dtype, device)
-        self.is_moe = arch.layer_is_moe(layer_idx)
-        if self.is_moe:
+        if arch.layer_is_moe(layer_idx):
             self.mlp = SparseMoE(ops, arch, dtype, device)
         else:
             self.mlp = DenseMLP(ops, arch.hidden_size, arch.dense_intermediate_size, dtype, device)
 
-    def forward(self, positions, h, residual, next_norm):
-        """``h``: this layer's normed input (``input_layernorm`` applied); ``residual``: the stream before it.
-        Returns the next layer's normed input (``next_norm`` applied: its ``input_layernorm``, or the final
-        norm) and the residual stream after this layer. The MoE block may fold that last add + norm into its
-        combine kernel."""
+    def forward(self, positions, hidden, residual):
         norm = self.ops.norm
+        if residual is None:
+            residual = hidden
+            h = norm.rmsnorm(hidden, self.input_layernorm, self.eps)
+        else:
+            h, residual = norm.add_rmsnorm(hidden, residual, self.input_layernorm, self.eps)
         h = self.self_attn(positions, h)
         h, residual = norm.add_rmsnorm(h, residual, self.post_attention_layernorm, self.eps)
-        if self.is_moe:
-            return self.mlp(h, residual, next_norm, self.eps)
-        return norm.add_rmsnorm(self.mlp(h), residual, next_norm, self.eps)
+        return self.mlp(h), residual
 
     def entries(self, prefix: str) -> dict[str, Entry]:
         e = {f"{prefix}.input_layernorm.weight": Entry(self.input_layernorm),
@@ -377,13 +360,12 @@ class MoECausalLM(nn.Module):
         return p.all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        residual = self.embed(input_ids)
-        layers = self.layers
-        h = self.ops.norm.rmsnorm(residual, layers[0].input_layernorm, self.arch.rms_norm_eps)
-        for i, layer in enumerate(layers):
-            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-            h, residual = layer(positions, h, residual, next_norm)
-        return h
+        hidden = self.embed(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.ops.norm.add_rmsnorm(hidden, residual, self.norm, self.arch.rms_norm_eps)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.lm_head)

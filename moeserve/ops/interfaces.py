@@ -51,9 +51,6 @@ class MoEBackend(ABC):
     # Takes global expert ids and the layer's ``expert_ep`` (size, rank) itself; else, with experts split
     # across ranks, ``experts`` gets local ids, -1 for experts of other ranks, which must count as zero.
     maps_expert_ids: ClassVar[bool] = False
-    # ``experts`` takes ``add_norm`` (``moeserve.ops.moe.combine.AddNorm``) for high-precision experts on one
-    # rank: it adds its output to the residual in place and returns the next layer's normed input
-    fuses_add_norm: ClassVar[bool] = False
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device, self.dtype = device, dtype

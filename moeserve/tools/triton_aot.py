@@ -268,16 +268,9 @@ def launch_every_kernel(plan, on_step=None) -> None:
             launch_qkv_kernel(plan)
         if fp["moe"] or fp["routing"]:
             layer = meta_moe_layer(plan)
-            h, dt = plan.arch.hidden_size, plan.dtype
-            norm = torch.empty((h,), dtype=dt, device=meta)
             for tokens in range(1, plan.max_step_tokens + 1):
                 on_step(tokens)
-                x = torch.empty((tokens, h), dtype=dt, device=meta)
-                # as a decoder layer calls it (the combine may go on to the next layer's add + norm), and once
-                # alone (the plain combine: several ranks, FP8 experts)
-                layer(x, torch.empty_like(x), norm, plan.arch.rms_norm_eps)
-                if tokens == 1:
-                    layer(x)
+                layer(torch.empty((tokens, plan.arch.hidden_size), dtype=plan.dtype, device=meta))
         on_step(None)
         if fp["gemv_max_tokens"]:
             from moeserve.ops.linear_triton import TritonLinear, gemv

@@ -115,16 +115,12 @@ def check_alignment(sorted_ids, expert_ids, ntpp, topk_ids, block_m, E):
 
 def _interpreter_worker(in_path: str, out_path: str) -> None:
     patch_for_numpy()
-    from moeserve.ops.moe.combine_triton import moe_combine_add_rmsnorm_triton, moe_combine_triton
+    from moeserve.ops.moe.combine_triton import moe_combine_triton
     from moeserve.ops.moe.triton_kernels import fused_moe, interleave_gate_up, moe_align_block_size
     inputs = torch.load(in_path)
-    out = {"moe": {}, "align": {}, "combine": {}, "masked": {}, "pairwise": {}, "interleaved": {}, "add_norm": {}}
+    out = {"moe": {}, "align": {}, "combine": {}, "masked": {}, "pairwise": {}, "interleaved": {}}
     for name, (down, k, shared, gate) in inputs["combine"].items():
         out["combine"][name] = moe_combine_triton(down, k, shared, gate)
-        residual, weight = inputs["add_norm"][name]
-        residual = residual.clone()
-        normed = moe_combine_add_rmsnorm_triton(down, k, shared, gate, residual, weight, 1e-6)
-        out["add_norm"][name] = (normed, residual)
     for name, (x, w13, w2, tw, ti, cfg) in inputs["moe"].items():
         out["moe"][name] = fused_moe(x, w13, w2, tw, ti, config=cfg)
     for name, (ids, block_m, E) in inputs["align"].items():
@@ -149,13 +145,12 @@ def interpreted(tmp_path_factory):
     align = {}
     for name, (T, k, E, bm, ids_dtype) in ALIGN_CASES.items():
         align[name] = (random_routing(T, E, k, gen, ids_dtype=ids_dtype)[1], bm, E)
-    combine, add_norm = {}, {}
+    combine = {}
     for name, (T, k, H, dtype, with_shared, gated) in COMBINE_CASES.items():
         down = torch.randn(T * k, H, generator=gen).to(dtype)
         shared = torch.randn(T, H, generator=gen).to(dtype) if with_shared else None
         gate = (torch.randn(T, 1, generator=gen) * 3).to(dtype) if gated else None
         combine[name] = (down, k, shared, gate)
-        add_norm[name] = (torch.randn(T, H, generator=gen).to(dtype), torch.randn(H, generator=gen).to(dtype))
     masked = {}
     for name, (T, E, k) in MASKED_CASES.items():  # ids of experts held by another rank are -1 (expert parallel)
         x, w13, w2, tw, ti = random_moe_inputs(T, E, k, 72, 40, torch.float32, gen)
@@ -173,7 +168,7 @@ def interpreted(tmp_path_factory):
             ti = ti.masked_fill(torch.rand(ti.shape, generator=gen) < 0.5, -1)
         interleaved[name] = (x, w13, w2, tw, ti, cfg, pw, masked_ids)
     inputs = {"moe": moe, "align": align, "combine": combine, "masked": masked, "pairwise": pairwise,
-              "interleaved": interleaved, "add_norm": add_norm}
+              "interleaved": interleaved}
     return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("interp"), SEED)
 
 
@@ -207,31 +202,6 @@ def test_fused_moe_interpreter(interpreted, name):
     else:
         err = float((y.double() - ref).norm() / ref.norm())
         assert err < FP16_REL_FRO, f"seed {SEED}: relative Frobenius error {err:.3g}"
-
-
-@pytest.mark.parametrize("name", list(COMBINE_CASES))
-def test_moe_combine_with_the_next_layers_add_rmsnorm_interpreter(interpreted, name):
-    """The combine going on to the next layer's fused add + RMSNorm: the residual grows by the combined output
-    (rounded as the plain combine rounds it) and the RMSNorm of the float32 sum comes back, as the reference
-    (FlashInfer's ``fused_add_rmsnorm`` after the plain combine) computes them."""
-    from moeserve.ops.moe.combine import AddNorm, SharedExpertOutput, moe_combine
-    inputs, outputs = interpreted
-    down, k, shared, gate = inputs["combine"][name]
-    residual, weight = inputs["add_norm"][name]
-    normed, new_residual = outputs["add_norm"][name]
-    ref_residual = residual.clone()
-    ref = moe_combine(down, k, SharedExpertOutput(shared, gate) if shared is not None else None,
-                      add_norm=AddNorm(ref_residual, weight, 1e-6))
-    assert normed.shape == ref.shape and normed.dtype == down.dtype
-    tol = dict(rtol=1e-5, atol=1e-5) if down.dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(new_residual, ref_residual, **tol, msg=lambda m: f"seed {SEED}: residual: {m}")
-    torch.testing.assert_close(normed, ref, **tol, msg=lambda m: f"seed {SEED}: normed: {m}")
-    if down.shape[0]:  # the reference: residual + combine, normed
-        plain = moe_combine(down, k, SharedExpertOutput(shared, gate) if shared is not None else None)
-        s = plain.double() + residual.double()
-        expect = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
-        assert float((normed.double() - expect).norm() / expect.norm()) < (1e-5 if down.dtype == torch.float32
-                                                                             else COMBINE_BF16_TOL)
 
 
 @pytest.mark.parametrize("name", list(PAIRWISE_CASES))
@@ -436,37 +406,6 @@ def test_fused_moe_bf16_gpu(qwen_weights, shape, M, pairwise, interleaved):
         plain = fused_moe(x, w13, w2, tw, ti, pairwise_max_tokens=M if pairwise else 0)  # order of MMA sums
         err = float((y.float() - plain.float()).norm() / plain.float().norm())
         assert err < 1e-3, f"seed {SEED}: {err:.3g} from the unfused path"
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("M", [1, 8, 300])
-def test_fused_moe_with_the_next_layers_add_rmsnorm_gpu(qwen_weights, M):
-    """The combine going on to the next layer's add + RMSNorm, against the plain combine followed by
-    FlashInfer's ``fused_add_rmsnorm`` (what the decoder layer ran before), with a gated shared expert."""
-    from flashinfer.norm import fused_add_rmsnorm
-
-    from moeserve.ops.moe.combine import AddNorm, SharedExpertOutput
-    from moeserve.ops.moe.triton_kernels import fused_moe, interleave_gate_up
-    E, I, H, k = QWEN_SHAPES["qwen1.5"]
-    w13, w2 = qwen_weights("qwen1.5")
-    w13 = interleave_gate_up(w13)
-    gen = torch.Generator(device="cuda").manual_seed(SEED + 7 * M)
-    x = torch.randn(M, H, generator=gen, device="cuda").bfloat16()
-    tw, ti = random_routing(M, E, k, gen, "cuda")
-    shared = SharedExpertOutput(torch.randn(M, H, generator=gen, device="cuda").bfloat16() * 0.1,
-                                torch.randn(M, 1, generator=gen, device="cuda").bfloat16())
-    residual = torch.randn(M, H, generator=gen, device="cuda").bfloat16()
-    weight = (torch.rand(H, generator=gen, device="cuda") + 0.5).bfloat16()
-    ref_residual = residual.clone()
-    plain = fused_moe(x, w13, w2, tw, ti, shared=shared, pairwise_max_tokens=1, interleaved=True)
-    fused_add_rmsnorm(plain, ref_residual, weight, 1e-6)
-    got = fused_moe(x, w13, w2, tw, ti, shared=shared, pairwise_max_tokens=1, interleaved=True,
-                    add_norm=AddNorm(residual, weight, 1e-6))
-    torch.cuda.synchronize()
-    torch.testing.assert_close(residual, ref_residual, rtol=0, atol=0, msg=lambda m: f"seed {SEED}: {m}")
-    err = float((got.float() - plain.float()).norm() / plain.float().norm())
-    assert err < 2e-3, f"seed {SEED}: normed output {err:.3g} from fused_add_rmsnorm's"
 
 
 @gpu

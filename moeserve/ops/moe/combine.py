@@ -7,9 +7,7 @@ side CUDA stream (``stream``), overlapped with routing and the routed experts as
 
 ``moe_combine`` is one Triton kernel on a GPU (it replaces ``torch.sum`` over ``[T, k, H]``, the sigmoid, the
 multiply and the add: four launches per layer) and the torch reference elsewhere. It accumulates in float32
-and rounds once. Given ``add_norm`` (the residual stream, the next layer's input-norm weight, eps) it goes on
-to that layer's fused add + RMSNorm in the same kernel: the residual grows by the block's output in place and
-the normed input of the next layer is returned (one launch fewer per layer).
+and rounds once.
 """
 from __future__ import annotations
 
@@ -61,40 +59,12 @@ def combine_reference(down: torch.Tensor, top_k: int, shared: SharedExpertOutput
     return out.copy_(acc)
 
 
-@dataclass
-class AddNorm:
-    """What the next layer's fused add + RMSNorm needs: the residual stream (updated in place) and its norm."""
-    residual: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-
-def add_rmsnorm_reference(x: torch.Tensor, add_norm: AddNorm) -> torch.Tensor:
-    """``residual += x`` (in place, summed in float32 and rounded), then the RMSNorm of the float32 sum times
-    the weight, rounded once: FlashInfer's ``fused_add_rmsnorm``."""
-    s = x.float() + add_norm.residual.float()
-    add_norm.residual.copy_(s)
-    normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + add_norm.eps) * add_norm.weight.float()
-    return normed.to(x.dtype)
-
-
 def moe_combine(down: torch.Tensor, top_k: int, shared: SharedExpertOutput | None = None,
-                out: torch.Tensor | None = None, add_norm: AddNorm | None = None) -> torch.Tensor:
-    """``down`` ``[T * k, H]`` (the routed experts' weighted outputs, token-major) -> ``[T, H]``; with
-    ``add_norm``, the next layer's normed input (and the residual updated)."""
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``down`` ``[T * k, H]`` (the routed experts' weighted outputs, token-major) -> ``[T, H]``."""
     if down.device.type == "cpu":
-        combined = combine_reference(down, top_k, shared, None if add_norm else out)
-        if add_norm is None:
-            return combined
-        normed = add_rmsnorm_reference(combined, add_norm)
-        return normed if out is None else out.copy_(normed)
-    from moeserve.ops.moe.combine_triton import moe_combine_add_rmsnorm_triton, moe_combine_triton
-    if add_norm is not None:
-        if shared is not None:
-            shared.join()
-        return moe_combine_add_rmsnorm_triton(down, top_k, shared.out if shared else None,
-                                              shared.gate_logit if shared else None, add_norm.residual,
-                                              add_norm.weight, add_norm.eps, out)
+        return combine_reference(down, top_k, shared, out)
+    from moeserve.ops.moe.combine_triton import moe_combine_triton
     if shared is None:
         return moe_combine_triton(down, top_k, out=out)
     shared.join()

@@ -3,10 +3,6 @@
 One program per (token, column block); the top-k rows of a token are read in one unrolled loop and summed
 in float32 with the shared expert's gated output, then rounded once to the output dtype. No host
 synchronisation, so it is captured in CUDA graphs with the rest of the step.
-
-``moe_combine_add_rmsnorm_triton`` goes on to the next layer's input: ``residual += out`` (in place) and
-``out = rmsnorm(residual) * weight``, as FlashInfer's ``fused_add_rmsnorm`` computes it (the sum in float32,
-stored rounded as the residual, the norm from the float32 sum), one program per token.
 """
 from __future__ import annotations
 
@@ -57,53 +53,4 @@ def moe_combine_triton(down: torch.Tensor, top_k: int, shared: torch.Tensor | No
                              down.stride(0), s_out.stride(0) if s_out is not None else 0,
                              g.stride(0) if g is not None else 0, out.stride(0), TOP_K=top_k,
                              HAS_SHARED=s_out is not None, HAS_GATE=g is not None, BLOCK=block, num_warps=4)
-    return out
-
-
-@triton.jit
-def moe_combine_add_rmsnorm_kernel(down_ptr, shared_ptr, gate_ptr, residual_ptr, weight_ptr, out_ptr, H, eps,
-                                   stride_down, stride_shared, stride_gate, stride_residual, stride_out,
-                                   TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr,
-                                   BLOCK: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < H
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        acc += tl.load(down_ptr + (t * TOP_K + j) * stride_down + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SHARED:
-        s = tl.load(shared_ptr + t * stride_shared + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_GATE:
-            g = tl.load(gate_ptr + t * stride_gate).to(tl.float32)
-            s = s / (1.0 + tl.exp(-g))
-        acc += s
-    dtype = out_ptr.dtype.element_ty
-    x = acc.to(dtype).to(tl.float32) + tl.load(residual_ptr + t * stride_residual + cols, mask=mask,
-                                                other=0.0).to(tl.float32)
-    tl.store(residual_ptr + t * stride_residual + cols, x.to(dtype), mask=mask)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_out + cols, (x * inv * w).to(dtype), mask=mask)
-
-
-def moe_combine_add_rmsnorm_triton(down: torch.Tensor, top_k: int, shared: torch.Tensor | None,
-                                   gate_logit: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
-                                   eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The combine, then ``residual += it`` in place and ``rmsnorm(residual) * weight`` returned (``[T, H]``)."""
-    rows, h = down.shape
-    t = rows // top_k
-    if out is None:
-        out = torch.empty((t, h), dtype=down.dtype, device=down.device)
-    if t == 0:
-        return out
-    if down.stride(1) != 1 or out.stride(1) != 1 or residual.stride(1) != 1:
-        raise ValueError("moe_combine_add_rmsnorm: down, residual and out must have contiguous rows")
-    s_out, g = shared, gate_logit
-    if s_out is not None and s_out.stride(1) != 1:
-        s_out = s_out.contiguous()
-    moe_combine_add_rmsnorm_kernel[(t,)](
-        down, s_out if s_out is not None else down, g if g is not None else down, residual, weight, out, h, eps,
-        down.stride(0), s_out.stride(0) if s_out is not None else 0, g.stride(0) if g is not None else 0,
-        residual.stride(0), out.stride(0), TOP_K=top_k, HAS_SHARED=s_out is not None, HAS_GATE=g is not None,
-        BLOCK=triton.next_power_of_2(h), num_warps=8 if h > 4096 else 4)
     return out

@@ -20,7 +20,6 @@ log = logging.getLogger("moeserve")
 class TritonMoE(MoEBackend):
     name = "triton"
     serves_fp8 = True
-    fuses_add_norm = True  # the combine kernel goes on to the next layer's add + RMSNorm
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         from moeserve.ops.moe import fp8_triton, triton_configs, triton_kernels
@@ -54,11 +53,9 @@ class TritonMoE(MoEBackend):
 
     @eager  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer,
-                shared=None, add_norm=None) -> torch.Tensor:
+                shared=None) -> torch.Tensor:
         masked = getattr(layer, "expert_ep", (1, 0))[0] > 1  # ids of other ranks' experts are -1
         if layer.w13_scale_inv is not None:
-            if add_norm is not None:
-                raise ValueError("triton MoE: add_norm is for high-precision experts")
             return self._fp8.fused_moe_fp8(x, layer.w13, layer.w13_scale_inv, layer.w2, layer.w2_scale_inv,
                                            topk_weights, topk_ids, shared=shared, masked_ids=masked)
         config = None
@@ -68,5 +65,5 @@ class TritonMoE(MoEBackend):
                                               x.dtype)[0] if x.shape[0] else None
         return self._kernels.fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, config=config, shared=shared,
                                        masked_ids=masked, pairwise_max_tokens=self.pairwise_max_tokens,
-                                       interleaved=layer.w13_order == "interleaved", add_norm=add_norm)
+                                       interleaved=layer.w13_order == "interleaved")
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .combine import AddNorm, SharedExpertOutput, moe_combine
+from .combine import SharedExpertOutput, moe_combine
 from .triton_configs import get_config
 
 __all__ = ["moe_align_block_size", "fused_moe", "fused_moe_warmup", "invoke_fused_moe_kernel", "interleave_gate_up"]
@@ -335,8 +335,7 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids):
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: dict | None = None, out: torch.Tensor | None = None,
               shared: SharedExpertOutput | None = None, masked_ids: bool = False,
-              pairwise_max_tokens: int = 0, interleaved: bool = False,
-              add_norm: AddNorm | None = None) -> torch.Tensor:
+              pairwise_max_tokens: int = 0, interleaved: bool = False) -> torch.Tensor:
     """Mixture-of-experts SwiGLU MLP: ``sum_j w[t,j] * w2[e] @ (silu(gate_e x_t) * up_e x_t)``, ``e = ids[t,j]``.
 
     ``x`` ``[T, H]``; ``w13`` ``[E, 2I, H]`` (gate rows ``[0, I)``, up rows ``[I, 2I)``); ``w2`` ``[E, H, I]``;
@@ -348,8 +347,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     each (token, expert) pair is its own row tile, one launch fewer per layer for the price of reading an
     expert once per pair that picks it rather than once per step. ``interleaved``: ``w13``'s rows are
     interleaved gate/up pairs (:func:`interleave_gate_up`) and the first GEMM writes the activation itself.
-    ``add_norm``: the combine goes on to the next layer's add + RMSNorm (``residual += output`` in place) and
-    the normed input of that layer is returned.
     """
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
     t, h = x.shape
@@ -389,7 +386,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     down = (torch.zeros if masked_ids else torch.empty)((rows, h), dtype=x.dtype, device=x.device)
     invoke_fused_moe_kernel(act, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, config, max_rows,
                             pairwise=pairwise)
-    return moe_combine(down, top_k, shared, out, add_norm)
+    return moe_combine(down, top_k, shared, out)
 
 
 def fused_moe_warmup(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, config: dict,
