@@ -55,7 +55,8 @@ def engine_entry(engine, results: list[dict]) -> dict:
     d = engine.describe()
     return {
         "name": "moeserve", "label": "moeserve", "available": True, "reason": None,
-        "backends": d["backends"], "start_seconds": d["ready_seconds"],
+        "backends": {**d["backends"], **({"fused": "+".join(d["fusions"])} if d.get("fusions") else {})},
+        "start_seconds": d["ready_seconds"],
         "startup": {k: d[k] for k in ("init_seconds", "load_seconds", "graph_capture_seconds", "ready_seconds")},
         "memory": engine.memory_report(),
         "engine": {k: d[k] for k in ("device", "dtype", "load_format", "kv_pages", "page_size", "max_model_len",

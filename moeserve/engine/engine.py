@@ -77,9 +77,9 @@ class LLMEngine:
         self.runner.warm_up()
         self.ready_seconds = time.perf_counter() - t0
         self.startup_phases = {"plan": round(t_plan, 3), **self.runner.startup_phases, "tokenizer": round(t_tok, 3)}
-        log.info("engine ready in %.1f s: %s on %s, %s, backends %s, %d KV pages of %d tokens",
+        log.info("engine ready in %.1f s: %s on %s, %s, backends %s, fused kernels %s, %d KV pages of %d tokens",
                  self.ready_seconds, self.source.name, self.runner.device, str(self.runner.dtype).removeprefix("torch."),
-                 self.runner.backend_names, self.pool.capacity, self.pool.page_size)
+                 self.runner.backend_names, self.runner.fusions or "none", self.pool.capacity, self.pool.page_size)
         log.info("start-up: %s", describe_phases(self.startup_phases, self.runner.weights_bytes))
         if self.runner.device.type == "cuda":
             from moeserve.engine.kernels import kernels_summary
@@ -222,7 +222,8 @@ class LLMEngine:
         return {
             "model": self.source.name, "model_type": self.arch.model_type, "device": str(r.device),
             "dtype": str(r.dtype).removeprefix("torch."), "load_format": r.load_format,
-            "backends": dict(r.backend_names), "kv_pages": self.pool.capacity, "page_size": self.pool.page_size,
+            "backends": dict(r.backend_names), "fusions": r.fusions, "kv_pages": self.pool.capacity,
+            "page_size": self.pool.page_size,
             "max_model_len": self.max_model_len, "cuda_graph_batch_sizes": r.graphs.sizes if r.graphs else [],
             "init_seconds": r.init_seconds, "load_seconds": r.load_seconds,
             "graph_capture_seconds": r.graph_capture_seconds, "ready_seconds": self.ready_seconds,

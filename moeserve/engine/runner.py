@@ -126,6 +126,17 @@ class ModelRunner:
         self._phase("kv_cache", t)
         self.init_seconds = time.perf_counter() - t_start
 
+    @property
+    def fusions(self) -> list[str]:
+        """The kernels that do more than their operator's backend says (for reports): the attention's QKV
+        kernel (q/k norms, rotary embedding, KV append) and the SwiGLU activation inside the expert GEMM."""
+        out = []
+        if self.ops.attention is not None and self.ops.attention.fuse_qkv:
+            out.append("qkv-norm-rope-append")
+        if any(b.w13_order == "interleaved" for b in self.model.moe_blocks()):
+            out.append("swiglu-in-expert-gemm")
+        return out
+
     def _phase(self, name: str, since: float) -> float:
         """Record ``name`` as the seconds since ``since``; returns now."""
         now = time.perf_counter()

@@ -151,7 +151,8 @@ async def _serve(app, sock, log_level: str) -> int:
         print(f"moeserve: serving {state.served_model_name!r} at {_url(host, port)}/v1 "
               f"(device {d['device']}, {d['dtype']}, {d['kv_pages']} KV pages of {d['page_size']} tokens, "
               f"max_model_len {d['max_model_len']}; engine core pid {d['pid']})", flush=True)
-        print("moeserve: backends " + ", ".join(f"{op}={b}" for op, b in d["backends"].items()), flush=True)
+        print("moeserve: backends " + ", ".join(f"{op}={b}" for op, b in d["backends"].items())
+              + (f"; fused kernels: {', '.join(d['fusions'])}" if d.get("fusions") else ""), flush=True)
         if state.api_key:
             print("moeserve: /v1 routes need 'Authorization: Bearer <api key>'", flush=True)
     await task

@@ -135,3 +135,16 @@ def test_generate_validates_every_prompt_first(llm):
 def test_unknown_preset_is_a_config_error():
     with pytest.raises(ConfigError, match="model: 'qwen9' is neither a preset"):
         LLM(model="qwen9")
+
+
+def test_reports_name_the_fused_kernels(llm):
+    """``describe()["fusions"]`` names the kernels that do more than their operator's backend says: none on the
+    CPU's torch backends; the QKV kernel and the activation inside the expert GEMM where they run."""
+    from types import SimpleNamespace as NS
+
+    from moeserve.engine.runner import ModelRunner
+    assert llm.engine.describe()["fusions"] == []
+    fused = NS(ops=NS(attention=NS(fuse_qkv=True)), model=NS(moe_blocks=lambda: [NS(w13_order="interleaved")]))
+    assert ModelRunner.fusions.fget(fused) == ["qkv-norm-rope-append", "swiglu-in-expert-gemm"]
+    plain = NS(ops=NS(attention=NS(fuse_qkv=False)), model=NS(moe_blocks=lambda: [NS(w13_order="gate_up")]))
+    assert ModelRunner.fusions.fget(plain) == []
