@@ -4,10 +4,11 @@ Triton computes at launch (the engine then points Triton there: ``moeserve.kerne
 
 How: the real MoE layer of the model (router, routing kernel, fused MoE, combine, FP8 activation quantisation)
 runs on ``meta`` tensors for every step size the engine can launch (1 to max_num_batched_tokens tokens), the
-attention's QKV kernel (norms, rotary embedding, KV append) once, and the GEMV of the ``triton`` linear backend for each of the model's linears and each step it takes, with
-a stand-in driver that reports the target GPU and every ``kernel[grid](...)`` turned into a compile. So the
-launch signatures (argument dtypes, 16-byte alignment of pointers, integer specialisations, tile configs from
-the tuned tables, constexprs) are the ones the engine produces, without restating them here.
+attention's QKV kernel (norms, rotary embedding, KV append) once, and the GEMV of the ``triton`` linear backend
+for each of the model's linears and each step it takes, with a stand-in driver that reports the target GPU and
+every ``kernel[grid](...)`` turned into a compile. So the launch signatures (argument dtypes, 16-byte alignment
+of pointers, integer specialisations, tile configs from the tuned tables, constexprs) are the ones the engine
+produces, without restating them here.
 
 Two facts of Triton 3.6.0 shape this (read from its source, checked on an H200):
 - A cache key includes a hash of the triton build, which hashes the binary ``_C/libtriton.so``; that file
@@ -236,12 +237,12 @@ def meta_linear_shapes(plan) -> list[tuple[int, int, bool, torch.dtype]]:
     return sorted(shapes, key=str)
 
 
-def launch_qkv_kernel(plan, tokens: int = 1, device: torch.device | None = None) -> torch.Tensor:
+def launch_qkv_kernel(plan) -> torch.Tensor:
     """The attention's QKV kernel (``moeserve.ops.attention.qkv_triton``) as the engine launches it for this plan,
-    on ``meta`` (or ``device``, inputs uninitialised but in range) for a step of ``tokens`` tokens."""
+    on ``meta`` tensors, for a step of one token (the token count is only the grid)."""
     from moeserve.models.parallel import local_heads
     from moeserve.ops.attention.qkv_triton import qkv_rope_append
-    m, dev, dt = plan.arch, device or torch.device("meta"), plan.dtype
+    m, dev, dt, tokens = plan.arch, torch.device("meta"), plan.dtype, 1
     hq, hkv, _ = local_heads(m, plan.parallel)
     d, i32 = m.head_dim, dict(dtype=torch.int32, device=dev)
     page = plan.config.page_size

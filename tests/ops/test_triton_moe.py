@@ -172,6 +172,17 @@ def interpreted(tmp_path_factory):
     return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("interp"), SEED)
 
 
+def assert_matches_reference(y, x, ref):
+    """A fused-MoE output ``y`` for input ``x`` against the float64 reference: elementwise in float32, by
+    relative Frobenius error in 16-bit dtypes."""
+    assert y.shape == x.shape and y.dtype == x.dtype
+    if x.dtype == torch.float32:
+        torch.testing.assert_close(y.double(), ref, rtol=FP32_RTOL, atol=FP32_ATOL, msg=lambda m: f"seed {SEED}: {m}")
+    else:
+        err = float((y.double() - ref).norm() / ref.norm())
+        assert err < FP16_REL_FRO, f"seed {SEED}: relative Frobenius error {err:.3g}"
+
+
 @pytest.mark.parametrize("name", list(COMBINE_CASES))
 def test_moe_combine_interpreter(interpreted, name):
     """The combine kernel against the float64 formula: sum of the top-k rows + sigmoid(gate) * shared."""
@@ -195,13 +206,7 @@ def test_fused_moe_interpreter(interpreted, name):
     inputs, outputs = interpreted
     x, w13, w2, tw, ti, _ = inputs["moe"][name]
     y = outputs["moe"][name]
-    assert y.shape == x.shape and y.dtype == x.dtype
-    ref = reference_moe(x, w13, w2, tw, ti)
-    if x.dtype == torch.float32:
-        torch.testing.assert_close(y.double(), ref, rtol=FP32_RTOL, atol=FP32_ATOL, msg=lambda m: f"seed {SEED}: {m}")
-    else:
-        err = float((y.double() - ref).norm() / ref.norm())
-        assert err < FP16_REL_FRO, f"seed {SEED}: relative Frobenius error {err:.3g}"
+    assert_matches_reference(y, x, reference_moe(x, w13, w2, tw, ti))
 
 
 @pytest.mark.parametrize("name", list(PAIRWISE_CASES))
@@ -210,13 +215,7 @@ def test_pairwise_fused_moe_interpreter(interpreted, name):
     inputs, outputs = interpreted
     x, w13, w2, tw, ti, _ = inputs["pairwise"][name]
     y = outputs["pairwise"][name]
-    ref = reference_moe(x, w13, w2, tw, ti)
-    assert y.shape == x.shape and y.dtype == x.dtype
-    if x.dtype == torch.float32:
-        torch.testing.assert_close(y.double(), ref, rtol=FP32_RTOL, atol=FP32_ATOL, msg=lambda m: f"seed {SEED}: {m}")
-    else:
-        err = float((y.double() - ref).norm() / ref.norm())
-        assert err < FP16_REL_FRO, f"seed {SEED}: relative Frobenius error {err:.3g}"
+    assert_matches_reference(y, x, reference_moe(x, w13, w2, tw, ti))
 
 
 @pytest.mark.parametrize("name", list(INTERLEAVED_CASES))
@@ -228,13 +227,7 @@ def test_interleaved_gate_up_fused_moe_interpreter(interpreted, name):
     y = outputs["interleaved"][name]
     if masked_ids:
         tw, ti = tw * (ti >= 0), ti.clamp(min=0)
-    ref = reference_moe(x, w13, w2, tw, ti)
-    assert y.shape == x.shape and y.dtype == x.dtype
-    if x.dtype == torch.float32:
-        torch.testing.assert_close(y.double(), ref, rtol=FP32_RTOL, atol=FP32_ATOL, msg=lambda m: f"seed {SEED}: {m}")
-    else:
-        err = float((y.double() - ref).norm() / ref.norm())
-        assert err < FP16_REL_FRO, f"seed {SEED}: relative Frobenius error {err:.3g}"
+    assert_matches_reference(y, x, reference_moe(x, w13, w2, tw, ti))
 
 
 def test_interleave_gate_up_layout_and_the_backend_lays_out_once():
