@@ -335,6 +335,30 @@ def test_fp8_tuning_keeps_block_k_a_divisor_of_128_and_writes_the_table_the_kern
     assert any(not tt.fp8_fits(c) for c in tiles) and any(tt.fp8_fits(c) for c in tiles)
 
 
+def test_tuner_times_the_layout_the_engine_runs(monkeypatch):
+    """bf16 experts are tuned interleaved (activation in the epilogue, one-token steps pairwise) as the backend
+    stores them; the reference reads the interleaved rows back in gate-then-up order."""
+    from moeserve.ops.moe import tune_triton as tt
+    g = torch.Generator().manual_seed(1)
+    E, I, H, k, M = 4, 32, 64, 2, 3
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / 8).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) / 6).bfloat16()
+    x = torch.randn(M, H, generator=g).bfloat16()
+    tw, ti = torch.softmax(torch.randn(M, k, generator=g), 1), torch.stack([torch.randperm(E, generator=g)[:k]
+                                                                             for _ in range(M)]).int()
+    marked = tt.interleaved(w13)
+    assert not torch.equal(marked.as_subclass(torch.Tensor), w13)
+    torch.testing.assert_close(tt.reference(x, marked, w2, tw, ti), tt.reference(x, w13, w2, tw, ti),
+                               rtol=0, atol=0)
+    calls = []
+    monkeypatch.setattr(tt, "fused_moe", lambda x, w13, w2, *a, **kw: calls.append((type(w13), kw)))
+    tt.run_moe(x, marked, w2, tw, ti, {})
+    tt.run_moe(x, w13, w2, tw, ti, {})
+    assert calls[0][0] is torch.Tensor and calls[0][1]["interleaved"] and calls[0][1]["pairwise_max_tokens"] == 1
+    assert not calls[1][1]["interleaved"] and calls[1][1]["pairwise_max_tokens"] == 0
+    assert not tt.parse_args(["--shapes", "qwen1.5"])[0].gate_then_up
+
+
 def test_fp8_tuning_reference_matches_the_quantised_computation():
     """The tuner's FP8 reference: dequantised experts, activations quantised per group of 128 as in the kernel."""
     from moeserve.ops.moe import tune_triton as tt

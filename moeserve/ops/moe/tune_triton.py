@@ -11,6 +11,9 @@ variants of the two fastest tiles. The winner is checked against an fp32 torch r
 ``--out`` (file named by :func:`config_file_name`) after every ``M``, so partial results survive. Once
 the budget is spent, remaining token counts only time the default and the previous winner (both compiled).
 
+High-precision experts are timed as the engine runs them: gate/up rows interleaved (the activation in the first
+GEMM's epilogue) and one-token steps without the alignment (``--gate-then-up``: the older layout).
+
 ``--dtype fp8_w8a8`` tunes the FP8 block-scale kernel (``fp8_triton.fused_moe_fp8``: e4m3 experts with
 128x128 scales, activations quantised per token group of 128) and writes the table it loads
 (``...,dtype=fp8_w8a8,block_shape=[128,128].json``); ``BLOCK_SIZE_K`` then stays a divisor of 128, the
@@ -36,7 +39,7 @@ from moeserve.quant.fp8 import (BLOCK, block_dequant_fp8, block_quant_fp8, per_t
 
 from .fp8_triton import BLOCK_SHAPE, FP8_CONFIG_TAG, default_fp8_config, fused_moe_fp8
 from .triton_configs import CONFIG_DIR, CONFIG_KEYS, config_file_name, default_config, device_name, parse_configs
-from .triton_kernels import fused_moe, fused_moe_warmup
+from .triton_kernels import deinterleave_gate_up, fused_moe, fused_moe_warmup, interleave_gate_up
 
 SHAPES = {"qwen1.5": (60, 1408, 2048, 4), "qwen3": (128, 768, 2048, 8), "glm4.5-air": (128, 1408, 4096, 8)}
 BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
@@ -131,11 +134,23 @@ def is_fp8(w) -> bool:
     return isinstance(w, tuple)
 
 
+class Interleaved(torch.Tensor):
+    """Marks a ``w13`` whose gate/up rows are interleaved (``interleave_gate_up``), as the Triton MoE backend
+    stores high-precision experts: the first GEMM then computes the activation in its epilogue."""
+
+
+def interleaved(w13: torch.Tensor) -> torch.Tensor:
+    return interleave_gate_up(w13).as_subclass(Interleaved)
+
+
 def run_moe(x, w13, w2, topk_weights, topk_ids, cfg: dict, out=None) -> torch.Tensor:
-    """The kernel being tuned: ``fused_moe``, or ``fused_moe_fp8`` for FP8 experts."""
+    """The kernel being tuned: ``fused_moe`` as the engine calls it (interleaved gate/up rows where ``w13`` is
+    marked so, one row tile per pair for one-token steps), or ``fused_moe_fp8`` for FP8 experts."""
     if is_fp8(w13):
         return fused_moe_fp8(x, w13[0], w13[1], w2[0], w2[1], topk_weights, topk_ids, config=cfg, out=out)
-    return fused_moe(x, w13, w2, topk_weights, topk_ids, config=cfg, out=out)
+    inter = isinstance(w13, Interleaved)
+    return fused_moe(x, w13.as_subclass(torch.Tensor), w2, topk_weights, topk_ids, config=cfg, out=out,
+                     interleaved=inter, pairwise_max_tokens=1 if inter else 0)
 
 
 def fp8_fits(cfg: dict) -> bool:
@@ -151,7 +166,8 @@ def precompile(configs: list[dict], x, w13, w2, top_k: int, pool, timeout_s: flo
         return 0
     with mode_cls(pool, ignore_errors=True) as mode:
         for cfg in configs:
-            fused_moe_warmup(x, w13, w2, top_k, cfg)
+            fused_moe_warmup(x, w13.as_subclass(torch.Tensor), w2, top_k, cfg,
+                             interleaved=isinstance(w13, Interleaved))
         done, pending = cf.wait(list(mode.raw_futures), timeout=max(0.0, timeout_s))
         for f in pending:
             f.cancel()
@@ -169,6 +185,8 @@ def reference(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     """fp32 per-expert reference of the fused MoE MLP; for FP8 experts, of the dequantised weights with the
     activations quantised per token group as the kernel does (the down projection's input too)."""
     fp8 = is_fp8(w13)
+    if isinstance(w13, Interleaved):
+        w13 = deinterleave_gate_up(w13.as_subclass(torch.Tensor))
     if fp8:
         w13, w2 = block_dequant_fp8(*w13), block_dequant_fp8(*w2)
         x = per_token_group_dequant(*per_token_group_quant_fp8(x))
@@ -330,6 +348,8 @@ class Tuner:
         w2 = (torch.randn(E, H, inter, device=self.dev, generator=gen) / math.sqrt(inter)).to(self.dtype)
         if self.fp8:
             w13, w2 = block_quant_fp8(w13), block_quant_fp8(w2)
+        elif not args.gate_then_up:
+            w13 = interleaved(w13)
         x_all = torch.randn(max(args.batch_sizes), H, device=self.dev, generator=gen).to(self.dtype)
 
         per_m = [[self.default(M, E, inter, H, top_k)] + self.tiles(M, E, top_k, args.max_candidates * 3 // 5)
@@ -384,6 +404,9 @@ def parse_args(argv=None):
     p.add_argument("--max-candidates", type=int, default=40, help="configs timed per batch size at most")
     p.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gate-then-up", action="store_true",
+                   help="bf16/fp16: time the gate-then-up layout with a separate activation kernel instead of the "
+                   "interleaved rows the engine stores (the activation in the first GEMM's epilogue)")
     args = p.parse_args(argv)
     shapes = [(n, SHAPES[n]) for n in args.shapes]
     for s in args.shape:
