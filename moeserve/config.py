@@ -207,6 +207,10 @@ class EngineConfig(_Strict):
     moe_pairwise_max_tokens: int = Field(
         1, ge=0, description="Triton MoE: steps of at most this many tokens skip the expert alignment kernel and "
         "run one row tile per (token, expert) pair; 0 always aligns")
+    router_split_k_max_tokens: int = Field(
+        64, ge=0, le=64, description="fused (Triton) softmax/Llama-4 routing: steps of at most this many tokens run "
+        "the router's GEMM as moeserve's split-K kernel, its partial sums added by the routing kernel (cuBLAS runs "
+        "this narrow GEMM on one or two thread blocks); 0 leaves it to the linear backend")
     moe_fuse_shared_expert: bool = Field(
         False, description="run the shared expert inside the fused MoE as always-chosen experts (its intermediate "
         "rows cut into moe_intermediate_size pieces, weighted by its gate): no separate shared-expert GEMMs or "

@@ -97,6 +97,7 @@ class RuntimePlan:
                 "routing": m.routing.method if routing else None, "fused_qkv": qkv,
                 "gemv_max_tokens": gemv, "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
                 "fuse_shared_expert": self.config.moe_fuse_shared_expert,
+                "router_split_k_max_tokens": self.config.router_split_k_max_tokens if routing else 0,
                 "renormalize": m.routing.renormalize, "hidden_size": m.hidden_size, "num_experts": m.num_experts,
                 "moe_intermediate_size": m.moe_intermediate_size, "top_k": m.top_k,
                 "shared_expert": bool(m.shared_expert_intermediate_size),

@@ -129,12 +129,16 @@ class ModelRunner:
     @property
     def fusions(self) -> list[str]:
         """The kernels that do more than their operator's backend says (for reports): the attention's QKV
-        kernel (q/k norms, rotary embedding, KV append) and the SwiGLU activation inside the expert GEMM."""
+        kernel (q/k norms, rotary embedding, KV append), the SwiGLU activation inside the expert GEMM and the
+        router's GEMM as partial sums the routing kernel adds (small steps)."""
         out = []
         if self.ops.attention is not None and self.ops.attention.fuse_qkv:
             out.append("qkv-norm-rope-append")
-        if any(b.w13_order == "interleaved" for b in self.model.moe_blocks()):
+        blocks = list(self.model.moe_blocks())
+        if any(b.w13_order == "interleaved" for b in blocks):
             out.append("swiglu-in-expert-gemm")
+        if any(b.router_gemm_split(1) for b in blocks):
+            out.append("router-gemm-split-k")
         return out
 
     def _phase(self, name: str, since: float) -> float:
@@ -153,8 +157,11 @@ class ModelRunner:
             linear.max_tokens = self.cfg.linear_gemv_max_tokens
         if moe.name == "triton":
             moe.pairwise_max_tokens = self.cfg.moe_pairwise_max_tokens
+        routing = cls("routing")(dev, explicit=plan.explicit("routing"))
+        if routing.name == "fused":
+            routing.split_max_tokens = self.cfg.router_split_k_max_tokens
         return Ops(linear=linear, norm=cls("norm")(), activation=cls("activation")(),
-                   moe=moe, routing=cls("routing")(dev, explicit=plan.explicit("routing")),
+                   moe=moe, routing=routing,
                    rope_cls=cls("rope"), names=self.backend_names, quantization=self.quantization,
                    side_stream=torch.cuda.Stream(dev) if side else None,
                    side_stream_max_tokens=self.cfg.shared_expert_stream_max_tokens, parallel=self.parallel)

@@ -23,7 +23,7 @@ from moeserve.models.arch import ArchConfig
 from moeserve.models.base import Entry, Linear, Ops, empty_param, is_fp8_ops, tp_shard
 from moeserve.models.parallel import MoEParallel, Shard, local_experts, local_heads, padded_vocab
 from moeserve.ops.moe.combine import SharedExpertOutput
-from moeserve.ops.moe.routing import append_shared, select_experts
+from moeserve.ops.moe.routing import RouterPartials, append_shared, select_experts
 from moeserve.quant.fp8 import FP8_DTYPE, block_scale_shape
 from moeserve.quant.moe_ref import experts_fp8_reference
 
@@ -168,6 +168,19 @@ class SparseMoE(nn.Module):
         self.moe_parallel = MoEParallel(p, e, device, ops.moe.maps_expert_ids) if p.is_parallel else None
         self.fused_shared = 0  # shared-expert pieces appended to the routed experts (fuse_shared_expert)
 
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor | RouterPartials:
+        """The router's GEMM of the tokens ``x``: its logits, or for small steps where the routing kernel takes
+        them (``router_split_k_max_tokens``) their partial sums over slices of the hidden size."""
+        if self.router_gemm_split(x.shape[0]):
+            return self.router.partial_logits(x, self.gate.weight)
+        return self.gate(x.float() if self.router_fp32 else x)
+
+    def router_gemm_split(self, tokens: int) -> bool:
+        """Whether a step of ``tokens`` tokens runs the router's GEMM in the router (partial sums)."""
+        takes = getattr(self.router, "takes_gemm", None)
+        return (takes is not None and not self.router_fp32 and self.gate.weight_scale_inv is None
+                and self.gate.bias is None and takes(tokens, self.gate.weight))
+
     def route(self, x: torch.Tensor, logits: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(weights float32 [T, k], ids int32 [T, k], shared-expert gate logit [T, 1] or None)`` for the
@@ -175,7 +188,14 @@ class SparseMoE(nn.Module):
         router's GEMM computed it. With the shared expert fused (``fuse_shared_expert``), ``k`` grows by its
         pieces: ids ``E ..``, weights its gate (or 1)."""
         if logits is None:
-            logits = self.gate(x.float() if self.router_fp32 else x)
+            logits = self.router_logits(x)
+        if isinstance(logits, RouterPartials):  # the routing kernel adds them up and writes the logits
+            weights, ids, logits = self.router.route_partials(logits, self.num_experts, shared=self.fused_shared,
+                                                              gated=self.shared_gate_in_router)
+            if self.fused_shared:
+                return weights, ids, None
+            e = self.num_experts
+            return weights, ids, logits[:, e:e + 1] if self.shared_gate_in_router else None
         gate_logit = None
         if self.shared_gate_in_router:
             logits, gate_logit = logits[:, :self.num_experts], logits[:, self.num_experts:self.num_experts + 1]
@@ -227,7 +247,7 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None and stream is not None and x.shape[0] <= self.ops.side_stream_max_tokens:
             # The router's GEMM first, alone: launched beside the shared expert's GEMMs it waited for free SMs
             # (14 us per layer at one token on the H200, against 5 us alone) on the path every later kernel waits on.
-            logits = self.gate(x.float() if self.router_fp32 else x)
+            logits = self.router_logits(x)
             stream.wait_stream(torch.cuda.current_stream())  # x and the router's logits are ready
             with torch.cuda.stream(stream):
                 shared = self._shared(x, None, stream)

@@ -217,7 +217,8 @@ def meta_moe_layer(plan, device: torch.device | None = None):
     if fp["fuse_shared_expert"]:
         layer.fuse_shared_expert()
     if fp["routing"]:
-        layer.router, layer.routing_impl = TritonTopkRouter(plan.arch.routing), TritonTopkRouter.name
+        layer.router = TritonTopkRouter(plan.arch.routing, fp["router_split_k_max_tokens"])
+        layer.routing_impl = TritonTopkRouter.name
     moe.prepare(layer)
     return layer
 

@@ -86,11 +86,54 @@ SHARED_CASES = {
 }
 
 
+# the router's GEMM as partial sums (router_partials) and the routing kernel that adds them:
+# name: (T, K, E, router rows (E, the gate, zero padding), k, method, renormalize, fused shared pieces, gated)
+SPLIT_CASES = {
+    "qwen15-gated": (5, 256, 60, 64, 4, "softmax", False, 0, True),
+    "qwen15-fused-shared": (2, 256, 60, 64, 4, "softmax", False, 4, True),
+    "qwen3-renorm-ragged-k": (3, 200, 128, 128, 8, "softmax", True, 0, False),
+    "llama4-T17": (17, 128, 16, 16, 1, "llama4", False, 0, False),
+}
+SPLIT_RTOL, SPLIT_ATOL = 2 ** -7, 1e-3  # one bf16 rounding step of the logits (the sum's order differs)
+
+
+def make_router(T, K, E, rows, gated, gen, device="cpu", dtype=torch.bfloat16):
+    """Tokens and router rows: ``E`` experts, the shared expert's gate (``gated``), zero rows up to ``rows``.
+    (The CPU cases are float16: Triton 3.6's interpreter computes bfloat16 ``tl.dot`` wrongly.)"""
+    x = torch.randn(T, K, generator=gen, device=device).to(dtype)
+    w = torch.randn(rows, K, generator=gen, device=device) / K ** 0.5 * 4
+    w[E + (1 if gated else 0):] = 0
+    return x, w.to(dtype)
+
+
+def run_split(x, w, E, k, method, renorm, shared, gated):
+    from moeserve.ops.moe.routing_triton import router_partials, topk_route_partials
+    return topk_route_partials(router_partials(x, w), E, method, k, renorm, shared=shared, gated=gated)
+
+
+def check_split(x, w, out, E, k, method, renorm, shared, gated):
+    """The logits as ``F.linear`` writes them (to a rounding step of their dtype), and the routing of those
+    logits."""
+    weights, ids, logits = (o.cpu() for o in out)
+    want = torch.nn.functional.linear(x.float(), w.float()).to(w.dtype).cpu()
+    assert logits.shape == want.shape and logits.dtype == w.dtype
+    torch.testing.assert_close(logits.float(), want.float(), rtol=SPLIT_RTOL, atol=SPLIT_ATOL,
+                               msg=lambda m: f"seed {SEED}: {m}")
+    check(logits[:, :E], weights[:, :k].contiguous(), ids[:, :k].contiguous(), method, k, renorm)
+    if shared:
+        t = logits.shape[0]
+        assert torch.equal(ids[:, k:], torch.arange(E, E + shared, dtype=ids.dtype).expand(t, shared))
+        gate = torch.sigmoid(logits[:, E:E + 1].float()) if gated else torch.ones(t, 1)
+        torch.testing.assert_close(weights[:, k:], gate.expand(t, shared), rtol=RTOL, atol=ATOL)
+
+
 def _interpreter_worker(in_path: str, out_path: str) -> None:
     patch_for_numpy()
     from moeserve.ops.moe.routing_triton import topk_route
     inputs = torch.load(in_path)
     out = {}
+    for name, (x, w, E, k, method, renorm, shared, gated) in inputs.pop("_split").items():
+        out["split-" + name] = run_split(x, w, E, k, method, renorm, shared, gated)
     for name, (full, e, k, method, renorm, shared, gated) in inputs.pop("_shared").items():
         out["shared-" + name] = topk_route(full[:, :e], method, k, renorm, shared=shared, gated=gated)
     for name, (full, e, k, method, renorm) in inputs.items():
@@ -107,6 +150,9 @@ def interpreted(tmp_path_factory):
         inputs[name] = (make_full(T, E, dtype, extra, gen), E, k, method, renorm)
     inputs["_shared"] = {name: (make_full(T, E, torch.float32, extra, gen), E, k, method, renorm, shared, gated)
                          for name, (T, E, k, method, renorm, shared, gated, extra) in SHARED_CASES.items()}
+    inputs["_split"] = {name: (*make_router(T, K, E, rows, gated, gen, dtype=torch.float16), E, k, method, renorm,
+                               shared, gated)
+                        for name, (T, K, E, rows, k, method, renorm, shared, gated) in SPLIT_CASES.items()}
     return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("route"), SEED, timeout=300)
 
 
@@ -116,6 +162,27 @@ def test_topk_route_interpreter(interpreted, name):
     full, e, k, method, renorm = inputs[name]
     w, ids = outputs[name]
     check(full[:, :e], w, ids, method, k, renorm)
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_router_gemm_as_partial_sums_routes_like_the_gemm_interpreter(interpreted, name):
+    inputs, outputs = interpreted
+    x, w, E, k, method, renorm, shared, gated = inputs["_split"][name]
+    check_split(x, w, outputs["split-" + name], E, k, method, renorm, shared, gated)
+
+
+def test_router_partials_refuse_what_they_do_not_hold():
+    from moeserve.ops.moe.routing_config import RouterPartials
+    from moeserve.ops.moe.routing_triton import TritonTopkRouter, router_partials, topk_route_partials
+    with pytest.raises(ValueError, match="at most 64 tokens and 256 rows"):
+        router_partials(torch.zeros(65, 32), torch.zeros(8, 32))
+    with pytest.raises(ValueError, match="60 router rows for 60 experts and the shared expert's gate"):
+        topk_route_partials(RouterPartials(torch.zeros(2, 1, 64), 60, torch.bfloat16), 60, "softmax", 4, gated=True)
+    r = TritonTopkRouter(RoutingConfig("softmax", 4), split_max_tokens=8)
+    w = torch.zeros(64, 32, dtype=torch.bfloat16)
+    assert r.takes_gemm(1, w) and r.takes_gemm(8, w) and not r.takes_gemm(9, w) and not r.takes_gemm(0, w)
+    assert not r.takes_gemm(1, w.float()) and not r.takes_gemm(1, torch.zeros(300, 32, dtype=torch.bfloat16))
+    assert not TritonTopkRouter(RoutingConfig("softmax", 4)).takes_gemm(1, w)
 
 
 @pytest.mark.parametrize("name", list(SHARED_CASES))
@@ -220,6 +287,33 @@ def test_topk_route_matches_torch_on_the_gpu(shape, dtype, T):
     assert name == "triton_topk" and why is None
     w, ids = router(logits, None)
     check(logits, w, ids, method, k, renorm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 7, 16, 33, 64])
+@pytest.mark.parametrize("shape", ["qwen1.5-moe", "qwen3-moe", "llama4-maverick"])
+def test_router_gemm_as_partial_sums_on_the_gpu(shape, T):
+    """At the models' hidden sizes, against ``F.linear`` (cuBLAS) and the routing of its logits."""
+    E, k, method, renorm = GPU_SHAPES[shape]
+    K, gated = {"qwen1.5-moe": (2048, True), "qwen3-moe": (2048, False), "llama4-maverick": (5120, False)}[shape]
+    rows = -(-(E + gated) // 8) * 8
+    gen = torch.Generator(device="cuda").manual_seed(SEED + T)
+    x, w = make_router(T, K, E, rows, gated, gen, "cuda")
+    check_split(x, w, run_split(x, w, E, k, method, renorm, 0, gated), E, k, method, renorm, 0, gated)
+
+
+@pytest.mark.gpu
+def test_router_gemm_as_partial_sums_in_a_cuda_graph():
+    gen = torch.Generator(device="cuda").manual_seed(SEED)
+    x, w = make_router(4, 2048, 60, 64, True, gen, "cuda")
+    run_split(x, w, 60, 4, "softmax", False, 0, True)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = run_split(x, w, 60, 4, "softmax", False, 0, True)
+    x.copy_(make_router(4, 2048, 60, 64, True, gen, "cuda")[0])
+    g.replay()
+    torch.cuda.synchronize()
+    check_split(x, w, out, 60, 4, "softmax", False, 0, True)
 
 
 @pytest.mark.gpu

@@ -34,7 +34,8 @@ def test_dry_run_lists_the_triton_kernels_of_the_bench_configuration():
     text = out.stdout
     assert "Triton kernels for qwen1.5-moe-a2.7b on 9.0a (NVIDIA_H200), steps of 1 to 8192 tokens" in text
     for kernel in ("_topk_route_kernel", "_moe_align_kernel", "_moe_count_kernel", "fused_moe_kernel",
-                   "moe_combine_kernel", "qkv_rope_append_kernel"):
+                   "moe_combine_kernel", "qkv_rope_append_kernel", "_router_partial_kernel",
+                   "_topk_route_partials_kernel"):
         assert kernel in text, kernel
     # the SwiGLU activation is in the first expert GEMM's epilogue (no separate kernel for bf16 experts, whose gate
     # and up rows the backend interleaves), at the tuned tile; the attention's QKV kernel at Qwen1.5's heads
@@ -55,7 +56,9 @@ def test_built_kernels_serve_every_launch_from_disk_after_the_cache_moves(tmp_pa
     plan = tiny_plan()
     config = triton_aot.build(plan, tmp_path / "built", *H200, log=lambda s: None)
     names = {e["kernel"] for e in config["entries"]}
-    assert {"fused_moe_kernel", "_moe_align_kernel", "moe_combine_kernel", "_topk_route_kernel"} <= names
+    # steps of up to 24 tokens: the router's GEMM as partial sums, added by the routing kernel (no cuBLAS logits)
+    assert {"fused_moe_kernel", "_moe_align_kernel", "moe_combine_kernel", "_router_partial_kernel",
+            "_topk_route_partials_kernel"} <= names and "_topk_route_kernel" not in names
     manifest = json.loads((tmp_path / "built" / "triton" / "manifest.json").read_text())
     # each kernel names the MoE step size that first launches it: the sizes the engine warms at start
     sizes = [e["tokens"] for e in config["entries"]]

@@ -25,6 +25,7 @@ import torch
 
 from moeserve.ops.eager import eager
 from moeserve.ops.interfaces import RoutingBackend
+from moeserve.ops.moe.routing_config import RouterPartials  # noqa: F401  (SparseMoE imports it from here)
 from moeserve.ops.moe.routing_config import RoutingConfig  # noqa: F401  (its home before; imported from here)
 
 log = logging.getLogger("moeserve")
@@ -172,8 +173,9 @@ def triton_topk_unsupported(cfg: RoutingConfig, num_experts: int, device: torch.
     return unsupported(cfg.method, num_experts, cfg.top_k)
 
 
-def gpu_router(cfg: RoutingConfig, num_experts: int, device: torch.device):
-    """``(router or None, name, reason)``: the fused router when one applies, else None (torch routing)."""
+def gpu_router(cfg: RoutingConfig, num_experts: int, device: torch.device, split_max_tokens: int = 0):
+    """``(router or None, name, reason)``: the fused router when one applies, else None (torch routing).
+    ``split_max_tokens``: steps up to this many tokens may run the router's GEMM in the Triton router too."""
     device = torch.device(device)
     if cfg.method == "deepseek_v3":
         cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -185,7 +187,7 @@ def gpu_router(cfg: RoutingConfig, num_experts: int, device: torch.device):
     if why is not None:
         return None, "torch", why
     from moeserve.ops.moe.routing_triton import TritonTopkRouter
-    return TritonTopkRouter(cfg), TritonTopkRouter.name, None
+    return TritonTopkRouter(cfg, split_max_tokens), TritonTopkRouter.name, None
 
 
 class TorchRouting(RoutingBackend):
@@ -205,14 +207,15 @@ class FusedRouting(RoutingBackend):
 
     name = "fused"
 
-    def __init__(self, device: torch.device, explicit: bool = False):
+    def __init__(self, device: torch.device, explicit: bool = False, split_max_tokens: int = 0):
         super().__init__(device, explicit)
+        self.split_max_tokens = split_max_tokens  # router_split_k_max_tokens
         self._logged: set[tuple] = set()
 
     def prepare(self, layer) -> None:
         from moeserve.backends import BackendUnavailable
         cfg = layer.routing
-        router, name, why = gpu_router(cfg, layer.num_experts, self.device)
+        router, name, why = gpu_router(cfg, layer.num_experts, self.device, self.split_max_tokens)
         if router is None and self.explicit:
             raise BackendUnavailable(f"backends.routing: 'fused' cannot run this model's {cfg.method} routing "
                                      f"({layer.num_experts} experts, top-{cfg.top_k}): {why}")

@@ -258,6 +258,7 @@ class Tuner:
         self.dev = torch.device("cuda")
         self.pool = cf.ThreadPoolExecutor(max_workers=args.compile_workers)
         self.summary = []
+        self.last_results: dict = {}
 
     def default(self, M: int, E: int, inter: int, H: int, top_k: int) -> dict:
         """The config the kernel would run untuned."""
@@ -292,13 +293,15 @@ class Tuner:
                 results[cfg_key(cfg)] = (math.inf, cfg)
                 log(f"    skip {cfg_str(cfg)}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
 
-    def tune_pair(self, M, E, inter, H, top_k, x_all, w13, w2, prev_best, pairs_left):
+    def tune_pair(self, M, E, inter, H, top_k, x_all, w13, w2, prev_best, pairs_left, current=None):
+        """The best config for ``M`` tokens; ``current``: the table's entry for ``M`` (timed first, with the
+        default and the previous ``M``'s winner)."""
         until = self.search_deadline(pairs_left)
         x = x_all[:M]
         routings = [make_routing(M, E, top_k, x.device) for _ in range(8)]
         default = self.default(M, E, inter, H, top_k)
         results: dict[tuple, tuple[float, dict]] = {}
-        first = [default] + ([prev_best] if prev_best else [])
+        first = [default] + [c for c in (prev_best, current) if c]
         self.evaluate(first, results, x, w13, w2, routings, until, force=True)
         limit = self.args.max_candidates
         tiles = self.tiles(M, E, top_k, limit * 3 // 5)
@@ -320,6 +323,7 @@ class Tuner:
             self.evaluate(variants, results, x, w13, w2, routings, until)
         ranked = sorted(results.values(), key=lambda r: r[0])
         default_us = results[cfg_key(default)][0]
+        self.last_results = results
         for us, cfg in ranked[:3] + [(default_us, default)]:
             if not math.isfinite(us):
                 continue
@@ -366,14 +370,17 @@ class Tuner:
 
         prev = None
         for M in args.batch_sizes:
-            cfg, us, default_us, err, tried = self.tune_pair(M, E, inter, H, top_k, x_all, w13, w2, prev, pairs_left)
+            current = table.get(M)
+            cfg, us, default_us, err, tried = self.tune_pair(M, E, inter, H, top_k, x_all, w13, w2, prev, pairs_left,
+                                                             current)
+            table_us = self.last_results.get(cfg_key(current), (math.nan,))[0] if current else math.nan
             pairs_left -= 1
             prev = cfg
             table[M] = cfg
             self.write(path, table)
-            self.summary.append((name, M, us, default_us, err, tried, cfg))
-            log(f"{self.elapsed()}   M={M:5d} best {us:9.1f}us (default {default_us:9.1f}us, x{default_us / us:.2f}) "
-                f"{cfg_str(cfg)} err={err:.2e} tried={tried}")
+            self.summary.append((name, M, us, default_us, table_us, err, tried, cfg))
+            log(f"{self.elapsed()}   M={M:5d} best {us:9.1f}us (default {default_us:9.1f}us, x{default_us / us:.2f}; "
+                f"table's {table_us:9.1f}us) {cfg_str(cfg)} err={err:.2e} tried={tried}")
         del w13, w2, x_all
         if self.dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -386,10 +393,11 @@ class Tuner:
         for i, (name, (E, inter, H, top_k)) in enumerate(shapes):
             pairs_left = self.run_shape(name, E, inter, H, top_k, len(shapes) - i, pairs_left)
         self.pool.shutdown(wait=False, cancel_futures=True)
-        log(f"\n{'shape':>10} {'M':>5} {'best_us':>10} {'default_us':>10} {'speedup':>7} {'rel_err':>8} "
-            f"{'tried':>5}  config")
-        for name, M, us, dus, err, tried, cfg in self.summary:
-            log(f"{name:>10} {M:5d} {us:10.1f} {dus:10.1f} {dus / us:7.2f} {err:8.1e} {tried:5d}  {cfg_str(cfg)}")
+        log(f"\n{'shape':>10} {'M':>5} {'best_us':>10} {'default_us':>10} {'speedup':>7} {'table_us':>10} "
+            f"{'rel_err':>8} {'tried':>5}  config")
+        for name, M, us, dus, tus, err, tried, cfg in self.summary:
+            log(f"{name:>10} {M:5d} {us:10.1f} {dus:10.1f} {dus / us:7.2f} {tus:10.1f} {err:8.1e} {tried:5d}  "
+                f"{cfg_str(cfg)}")
         log(f"total {time.monotonic() - self.t0:.1f}s (budget {self.args.budget_s:.0f}s)")
 
 
