@@ -139,12 +139,15 @@ def test_unknown_preset_is_a_config_error():
 
 def test_reports_name_the_fused_kernels(llm):
     """``describe()["fusions"]`` names the kernels that do more than their operator's backend says: none on the
-    CPU's torch backends; the QKV kernel and the activation inside the expert GEMM where they run."""
+    CPU's torch backends; the QKV kernel, the activation inside the expert GEMM and the router's split-K GEMM
+    where they run."""
     from types import SimpleNamespace as NS
 
     from moeserve.engine.runner import ModelRunner
     assert llm.engine.describe()["fusions"] == []
-    fused = NS(ops=NS(attention=NS(fuse_qkv=True)), model=NS(moe_blocks=lambda: [NS(w13_order="interleaved")]))
-    assert ModelRunner.fusions.fget(fused) == ["qkv-norm-rope-append", "swiglu-in-expert-gemm"]
-    plain = NS(ops=NS(attention=NS(fuse_qkv=False)), model=NS(moe_blocks=lambda: [NS(w13_order="gate_up")]))
+    block = NS(w13_order="interleaved", router_gemm_split=lambda tokens: tokens <= 64)
+    fused = NS(ops=NS(attention=NS(fuse_qkv=True)), model=NS(moe_blocks=lambda: [block]))
+    assert ModelRunner.fusions.fget(fused) == ["qkv-norm-rope-append", "swiglu-in-expert-gemm", "router-gemm-split-k"]
+    block = NS(w13_order="gate_up", router_gemm_split=lambda tokens: False)
+    plain = NS(ops=NS(attention=NS(fuse_qkv=False)), model=NS(moe_blocks=lambda: [block]))
     assert ModelRunner.fusions.fget(plain) == []

@@ -14,7 +14,7 @@ rows are addressed by their stride. No host synchronisation, so it can be captur
 
 Small steps (``router_split_k_max_tokens``) also take the router's GEMM off cuBLAS: ``_router_partial_kernel``
 splits ``K`` over 32 programs, each reading a slice of every router row, and writes float32 partial sums that
-the routing kernel adds in a fixed order (so the result does not depend on scheduling), rounds to the model's
+the routing kernel adds in a fixed order (so the result does not depend on scheduling; all at once), rounds to the model's
 dtype as the GEMM's output would be, stores as the logits (the shared expert's gate is one of their columns)
 and routes on. For a few tokens cuBLAS runs this GEMM (60-odd rows) on a single thread block that reads whole
 rows: 14 us per layer in a Qwen1.5-MoE decode step on an H200, a tenth of the layer's time.
@@ -110,18 +110,18 @@ def _router_partial_kernel(x_ptr, w_ptr, part_ptr, T, N, K, stride_xt, stride_wn
 
 @triton.jit
 def _topk_route_partials_kernel(part_ptr, T, logits_ptr, weights_ptr, ids_ptr, E, ROWS, SPLITS,
-                                K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                                K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
                                 SOFTMAX: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr = 0,
                                 GATED: tl.constexpr = False):
-    """Adds one token's partial sums (``part [SPLITS, T, BLOCK_E]``, in order), rounds them to the logits'
-    dtype as a GEMM writing them would, stores the ``ROWS`` logits (the shared expert's gate among them) and
-    routes on the first ``E``."""
+    """Adds one token's partial sums (``part [SPLITS, T, BLOCK_E]``, loaded at once: a loop of dependent loads
+    took 12 us), rounds them to the logits' dtype as a GEMM writing them would, stores the ``ROWS`` logits (the
+    shared expert's gate among them) and routes on the first ``E``."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
-    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for s in range(SPLITS):
-        acc += tl.load(part_ptr + (s * T + t) * BLOCK_E + offs)
-    logits = acc.to(logits_ptr.dtype.element_ty)
+    offs_s = tl.arange(0, BLOCK_S)
+    parts = tl.load(part_ptr + (offs_s[:, None] * T + t) * BLOCK_E + offs[None, :], mask=(offs_s < SPLITS)[:, None],
+                    other=0.0)
+    logits = tl.sum(parts, axis=0).to(logits_ptr.dtype.element_ty)
     tl.store(logits_ptr + t * ROWS + offs, logits, mask=offs < ROWS)
     x_all = logits.to(tl.float32)
     valid = offs < E
@@ -218,8 +218,9 @@ def topk_route_partials(p: RouterPartials, num_experts: int, method: str, top_k:
     if t:
         _topk_route_partials_kernel[(t,)](p.parts, t, logits, weights, ids, num_experts, p.rows, splits, K=top_k,
                                           BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(width),
+                                          BLOCK_S=triton.next_power_of_2(splits),
                                           SOFTMAX=method == "softmax", RENORM=renormalize, SHARED=shared,
-                                          GATED=gated, num_warps=1 if block_e <= 128 else 4)
+                                          GATED=gated, num_warps=4)
     return weights, ids, logits
 
 
