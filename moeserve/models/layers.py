@@ -181,14 +181,11 @@ class SparseMoE(nn.Module):
         return (takes is not None and not self.router_fp32 and self.gate.weight_scale_inv is None
                 and self.gate.bias is None and takes(tokens, self.gate.weight))
 
-    def route(self, x: torch.Tensor, logits: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(weights float32 [T, k], ids int32 [T, k], shared-expert gate logit [T, 1] or None)`` for the
-        tokens ``x`` (or the router's ``logits`` of them, already computed); the gate logit is there when the
-        router's GEMM computed it. With the shared expert fused (``fuse_shared_expert``), ``k`` grows by its
-        pieces: ids ``E ..``, weights its gate (or 1)."""
-        if logits is None:
-            logits = self.router_logits(x)
+        tokens ``x``; the gate logit is there when the router's GEMM computed it. With the shared expert fused
+        (``fuse_shared_expert``), ``k`` grows by its pieces: ids ``E ..``, weights its gate (or 1)."""
+        logits = self.router_logits(x)
         if isinstance(logits, RouterPartials):  # the routing kernel adds them up and writes the logits
             weights, ids, logits = self.router.route_partials(logits, self.num_experts, shared=self.fused_shared,
                                                               gated=self.shared_gate_in_router)
@@ -242,16 +239,17 @@ class SparseMoE(nn.Module):
         return pieces
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared, logits = None, None
+        shared = None
         stream = self.ops.side_stream
+        # Routing (the router's GEMM and the top-k) first, alone: launched beside the shared expert's GEMMs, whose
+        # thread blocks fill the SMs, its small kernels waited for free ones on the path every later kernel of the
+        # layer waits on (c=1 step profile on an H200: the top-k kernel adding the router's partial sums 11 us per
+        # layer there).
+        weights, ids, gate_logit = self.route(x)
         if self.shared_expert is not None and stream is not None and x.shape[0] <= self.ops.side_stream_max_tokens:
-            # The router's GEMM first, alone: launched beside the shared expert's GEMMs it waited for free SMs
-            # (14 us per layer at one token on the H200, against 5 us alone) on the path every later kernel waits on.
-            logits = self.router_logits(x)
-            stream.wait_stream(torch.cuda.current_stream())  # x and the router's logits are ready
+            stream.wait_stream(torch.cuda.current_stream())  # x and the routing are ready
             with torch.cuda.stream(stream):
                 shared = self._shared(x, None, stream)
-        weights, ids, gate_logit = self.route(x, logits)
         if self.shared_expert is not None and shared is None:
             shared = self._shared(x, gate_logit, None)
         elif shared is not None and shared.gate_logit is None and gate_logit is not None:
