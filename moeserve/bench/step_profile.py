@@ -24,7 +24,8 @@ FAMILIES = [  # the first match names a kernel's family
     ("rope", r"rope|rotary"),
     ("activation", r"silu|act_and_mul"),
     ("sampling", r"argmax|sampling|top_p|renorm"),
-    ("routing", r"topk|top_k|bitonicSort|softmax|noaux|dsv3|router_partial"),  # greedy decode: softmax and top-k are routing's
+    # greedy decode: softmax and top-k are routing's; so are the router's split-K partial sums
+    ("routing", r"topk|top_k|bitonicSort|softmax|noaux|dsv3|router_partial"),
     ("copy", r"copy|memcpy|memset|fill|cat|index"),
 ]
 

@@ -255,7 +255,8 @@ def test_shared_expert_gate_is_a_row_of_the_padded_router_weight(tmp_path):
 
 def test_step_profile_sorts_routing_kernels_apart_from_sampling():
     from moeserve.bench.step_profile import family
-    for name in ("_topk_route_kernel", "void at::native::sbtopk::gatherTopK<float>",
+    for name in ("_topk_route_kernel", "_router_partial_kernel", "_topk_route_partials_kernel",
+                 "void at::native::sbtopk::gatherTopK<float>",
                  "void at::native::bitonicSortKVInPlace<-2>", "void at::native::softmax_warp_forward<float>"):
         assert family(name) == "routing", name
     for name in ("TopKTopPSamplingFromProbKernel", "void at::native::reduce_kernel<ArgMaxOps<float>>"):

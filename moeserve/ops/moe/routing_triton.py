@@ -14,10 +14,10 @@ rows are addressed by their stride. No host synchronisation, so it can be captur
 
 Small steps (``router_split_k_max_tokens``) also take the router's GEMM off cuBLAS: ``_router_partial_kernel``
 splits ``K`` over 32 programs, each reading a slice of every router row, and writes float32 partial sums that
-the routing kernel adds in a fixed order (so the result does not depend on scheduling; all at once), rounds to the model's
+the routing kernel adds in a fixed order (the result does not depend on scheduling), rounds to the model's
 dtype as the GEMM's output would be, stores as the logits (the shared expert's gate is one of their columns)
 and routes on. For a few tokens cuBLAS runs this GEMM (60-odd rows) on a single thread block that reads whole
-rows: 14 us per layer in a Qwen1.5-MoE decode step on an H200, a tenth of the layer's time.
+rows: 14 us per layer in a Qwen1.5-MoE decode step on an H200.
 """
 from __future__ import annotations
 
@@ -113,9 +113,9 @@ def _topk_route_partials_kernel(part_ptr, T, logits_ptr, weights_ptr, ids_ptr, E
                                 K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
                                 SOFTMAX: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr = 0,
                                 GATED: tl.constexpr = False):
-    """Adds one token's partial sums (``part [SPLITS, T, BLOCK_E]``, loaded at once: a loop of dependent loads
-    took 12 us), rounds them to the logits' dtype as a GEMM writing them would, stores the ``ROWS`` logits (the
-    shared expert's gate among them) and routes on the first ``E``."""
+    """Adds one token's partial sums (``part [SPLITS, T, BLOCK_E]``, loaded at once), rounds them to the logits'
+    dtype as a GEMM writing them would, stores the ``ROWS`` logits (the shared expert's gate among them) and
+    routes on the first ``E``."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     offs_s = tl.arange(0, BLOCK_S)
