@@ -207,9 +207,9 @@ class FusedRouting(RoutingBackend):
 
     name = "fused"
 
-    def __init__(self, device: torch.device, explicit: bool = False, split_max_tokens: int = 0):
+    def __init__(self, device: torch.device, explicit: bool = False):
         super().__init__(device, explicit)
-        self.split_max_tokens = split_max_tokens  # router_split_k_max_tokens
+        self.split_max_tokens = 0  # router_split_k_max_tokens (the engine sets it)
         self._logged: set[tuple] = set()
 
     def prepare(self, layer) -> None:

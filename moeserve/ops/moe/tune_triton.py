@@ -258,7 +258,6 @@ class Tuner:
         self.dev = torch.device("cuda")
         self.pool = cf.ThreadPoolExecutor(max_workers=args.compile_workers)
         self.summary = []
-        self.last_results: dict = {}
 
     def default(self, M: int, E: int, inter: int, H: int, top_k: int) -> dict:
         """The config the kernel would run untuned."""
@@ -294,8 +293,9 @@ class Tuner:
                 log(f"    skip {cfg_str(cfg)}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
 
     def tune_pair(self, M, E, inter, H, top_k, x_all, w13, w2, prev_best, pairs_left, current=None):
-        """The best config for ``M`` tokens; ``current``: the table's entry for ``M`` (timed first, with the
-        default and the previous ``M``'s winner)."""
+        """``(config, us, default's us, current's us, rel err, configs timed)``: the best config for ``M`` tokens;
+        ``current``: the table's entry for ``M`` (timed first, with the default and the previous ``M``'s winner;
+        nan without one)."""
         until = self.search_deadline(pairs_left)
         x = x_all[:M]
         routings = [make_routing(M, E, top_k, x.device) for _ in range(8)]
@@ -323,13 +323,13 @@ class Tuner:
             self.evaluate(variants, results, x, w13, w2, routings, until)
         ranked = sorted(results.values(), key=lambda r: r[0])
         default_us = results[cfg_key(default)][0]
-        self.last_results = results
+        current_us = results[cfg_key(current)][0] if current else math.nan
         for us, cfg in ranked[:3] + [(default_us, default)]:
             if not math.isfinite(us):
                 continue
             err = verify(cfg, M, x_all, w13, w2, E, top_k)
             if err < (REL_ERR_LIMIT_FP8 if self.fp8 else REL_ERR_LIMIT):
-                return cfg, us, default_us, err, len(results)
+                return cfg, us, default_us, current_us, err, len(results)
             log(f"    {cfg_str(cfg)} failed verification: rel err {err:.3g}")
         raise RuntimeError(f"no config passed verification for M={M}")
 
@@ -370,10 +370,8 @@ class Tuner:
 
         prev = None
         for M in args.batch_sizes:
-            current = table.get(M)
-            cfg, us, default_us, err, tried = self.tune_pair(M, E, inter, H, top_k, x_all, w13, w2, prev, pairs_left,
-                                                             current)
-            table_us = self.last_results.get(cfg_key(current), (math.nan,))[0] if current else math.nan
+            cfg, us, default_us, table_us, err, tried = self.tune_pair(M, E, inter, H, top_k, x_all, w13, w2, prev,
+                                                                       pairs_left, table.get(M))
             pairs_left -= 1
             prev = cfg
             table[M] = cfg
