@@ -33,6 +33,7 @@ from moeserve.kernel_cache.triton_cache import wait_launchers
 from moeserve.models.layers import MoECausalLM, Ops
 from moeserve.models.parallel import local_heads
 from moeserve.ops.kv_cache import KVCache
+from moeserve.ops import pdl
 from moeserve.ops.parallel import all_reduce_min
 from moeserve.ops.sampling import SamplingBatch, to_device
 from moeserve.plan import RuntimePlan
@@ -95,6 +96,7 @@ class ModelRunner:
         self._phase("cuda_init", t_start)
         t = time.perf_counter()
         self.kernel_cache = prepare_kernels(plan)
+        pdl.configure(plan.pdl)  # before any Triton kernel is warmed, compiled or captured
         self.backend_names = plan.backend_names
         self.ops = self._build_ops()
         t0 = self._phase("kernel_cache_and_ops", t)

@@ -21,6 +21,8 @@ import triton.language as tl
 
 from moeserve.ops.eager import eager
 from moeserve.ops.interfaces import LinearBackend
+from moeserve.ops.pdl import launch_kwargs
+from moeserve.ops.pdl_triton import wait_prior
 from moeserve.quant.fp8 import fp8_linear_reference
 
 GEMV_MAX_ROWS = 16  # rows of x one launch takes (tl.dot's smallest tile)
@@ -30,8 +32,9 @@ GEMV_MIN_N = 256  # narrower weights (a router) leave most SMs idle in a GEMV: c
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr,
-                 EVEN_K: tl.constexpr):
+                 EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
     """``y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n])`` for ``m < M <= M_PAD``, float32 accumulation."""
+    wait_prior(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_n = (offs_n % N).to(tl.int64)  # past-the-end features re-read a valid row; their outputs are masked
@@ -86,7 +89,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[grid](x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0), weight.stride(0),
                        y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
                        M_PAD=GEMV_MAX_ROWS, EVEN_K=k % c["BLOCK_K"] == 0, num_warps=c["num_warps"],
-                       num_stages=c["num_stages"])
+                       num_stages=c["num_stages"], **launch_kwargs())
     return y.reshape(*lead, n)
 
 

@@ -261,10 +261,11 @@ def launch_every_kernel(plan, on_step=None) -> None:
     layer (router, routing, fused MoE, combine) for each step size from 1 to the largest, and the GEMV for each
     linear and small step. Inside ``compile_session`` each launch compiles (or lists) its kernel instead of
     running. ``on_step(t)`` is called before the step of ``t`` tokens, ``on_step(None)`` before the GEMVs."""
+    from moeserve.ops import pdl
     on_step = on_step or (lambda t: None)
     fp = plan.triton_fingerprint("?")
     meta = torch.device("meta")
-    with torch.no_grad():
+    with torch.no_grad(), pdl.enabled_as(fp["pdl"]):  # PDL launches are their own compiles
         if fp["fused_qkv"]:  # one kernel for every step size (the token count is the grid)
             on_step(1)
             launch_qkv_kernel(plan)

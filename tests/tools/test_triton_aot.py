@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 
 from moeserve.config import make_config  # noqa: E402
 from moeserve.kernel_cache import triton_cache  # noqa: E402
+from moeserve.ops import pdl  # noqa: E402
 from moeserve.tools import triton_aot  # noqa: E402
 from moeserve.tools.modules import plan_for_arch  # noqa: E402
 
@@ -45,6 +46,7 @@ def test_dry_run_lists_the_triton_kernels_of_the_bench_configuration():
     assert "HQ=16 HKV=16 D=128 ROT=128 PAGE=16" in text and "QK_NORM=False" in text
     # Qwen1.5's gated shared expert: the combine adds it with the gate from the router's extra row
     assert "TOP_K=4 HAS_SHARED=True HAS_GATE=True" in text
+    assert "PDL=True launch_pdl=True" in text and "PDL=False" not in text  # sm90: programmatic dependent launch
     assert "BLOCK_SIZE_M=16 BLOCK_SIZE_N=32 BLOCK_SIZE_K=128" in text  # the tuned H200 table's M=1 tile
     assert "PAIRWISE=True" in text and "PAIRWISE=False" in text  # one-token steps skip the alignment
     # the (opt-in) triton linear backend's GEMV: qkv_proj carries a bias, the shared expert's down projection
@@ -72,14 +74,34 @@ def test_built_kernels_serve_every_launch_from_disk_after_the_cache_moves(tmp_pa
     assert triton_cache.check_coverage(manifest, plan.triton_fingerprint(H200[1]), tmp_path / "moved" / "triton") == []
     again = triton_aot.build(plan, tmp_path / "moved", *H200, log=lambda s: None)  # fresh in-memory state
     assert [e["hash"] for e in again["entries"]] == [e["hash"] for e in config["entries"]]
+    assert plan.pdl  # on sm90 the kernels launch with programmatic dependent launch: compiles of their own
     with triton_aot.compile_session(tmp_path / "moved" / "triton", (9, 0), triton_aot.target_triton_key(None)[0]) \
             as events:
         import torch
         layer = triton_aot.meta_moe_layer(plan)
-        with torch.no_grad(), triton_aot.tuned_tables_for(H200[1]):
+        with torch.no_grad(), triton_aot.tuned_tables_for(H200[1]), pdl.enabled_as(plan.pdl):  # as the engine sets it
             for t in (1, 7, 24):
                 layer(torch.empty((t, plan.arch.hidden_size), dtype=plan.dtype, device="meta"))
     assert events and all(e["cache_hit"] for e in events), [e for e in events if not e["cache_hit"]]
+
+
+def test_every_kernel_launches_with_pdl_on_hopper_unless_turned_off(tmp_path):
+    """On sm90 (``enable_pdl``, the default) every listed kernel is compiled with ``PDL=True`` (it waits for the
+    kernel before it) and Triton's ``launch_pdl``; ``enable_pdl: false`` lists the same kernels without it, and
+    the fingerprint tells the two apart (a cache of one does not cover the other). Below sm90 there is no PDL."""
+    on, off = tiny_plan(), tiny_plan(enable_pdl=False)
+    assert on.pdl and not off.pdl
+    fp_on, fp_off = on.triton_fingerprint(H200[1]), off.triton_fingerprint(H200[1])
+    assert fp_on["pdl"] is True and fp_off["pdl"] is False
+    assert {k: v for k, v in fp_on.items() if k != "pdl"} == {k: v for k, v in fp_off.items() if k != "pdl"}
+    listed_on = triton_aot.list_kernels(on, *H200, tmp_path / "on")
+    listed_off = triton_aot.list_kernels(off, *H200, tmp_path / "off")
+    assert sorted(k["name"] for k in listed_on) == sorted(k["name"] for k in listed_off)
+    assert listed_on and all(k["constants"].get("PDL") == "True" and k["constants"].get("launch_pdl") == "True"
+                             for k in listed_on), listed_on
+    assert all("PDL" not in k["constants"] and "launch_pdl" not in k["constants"] for k in listed_off)
+    assert not pdl.enabled()  # listing leaves the process's setting as it was
+    assert not plan_for_arch(make_config(model="tiny", dtype="bfloat16"), "8.0").pdl
 
 
 def test_the_qkv_kernel_is_listed_only_where_attention_takes_the_projection_whole(tmp_path):
@@ -107,11 +129,11 @@ def test_the_qkv_kernel_compiles_for_sm90_with_gqa_and_qk_norm(tmp_path):
                                      max_num_seqs=2), "9.0a")
     assert plan.fused_qkv and plan.arch.qk_norm and plan.arch.num_kv_heads < plan.arch.num_heads
     with triton_aot.compile_session(tmp_path, (9, 0), triton_aot.target_triton_key(None)[0]) as events, \
-            torch.no_grad():
+            torch.no_grad(), pdl.enabled_as(plan.pdl):
         triton_aot.launch_qkv_kernel(plan)
     assert [e["name"] for e in events] == ["qkv_rope_append_kernel"]
-    consts = list(events[0]["constants"].values())  # HQ, HKV, D, ROT, PAGE, ..., QK_NORM in signature order
-    assert consts[:5] == ["32", "4", "128", "128", "16"] and consts[-1] == "True"
+    consts = list(events[0]["constants"].values())  # HQ, HKV, D, ROT, PAGE, ..., QK_NORM, PDL in signature order
+    assert consts[:5] == ["32", "4", "128", "128", "16"] and consts[-2:] == ["True", "True"]
 
 
 def test_keys_follow_the_target_python(tmp_path):

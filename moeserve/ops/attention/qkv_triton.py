@@ -18,6 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.ops.pdl import launch_kwargs
+from moeserve.ops.pdl_triton import wait_prior
+
 
 @triton.jit
 def _norm_rope_heads(src, heads, hmask, w_ptr, cos, sin, eps, out_dtype: tl.constexpr, D: tl.constexpr,
@@ -69,7 +72,9 @@ def qkv_rope_append_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_out_ptr, cache_ptr, 
                            stride_qo, stride_page, stride_kv, stride_slot, stride_head, eps,
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
                            PAGE: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                           HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, QK_NORM: tl.constexpr):
+                           HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, QK_NORM: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    wait_prior(PDL)
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     HALF: tl.constexpr = ROT // 2
@@ -142,7 +147,7 @@ def qkv_rope_append(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), eps,
         HQ=num_heads, HKV=num_kv_heads, D=head_dim, ROT=rot, PAGE=cache.shape[2], HQ_PAD=p2(num_heads),
         HKV_PAD=p2(num_kv_heads), D_PAD=p2(head_dim), HALF_PAD=p2(rot // 2), REST_PAD=max(2, p2(head_dim - rot)),
-        QK_NORM=norm, num_warps=4)
+        QK_NORM=norm, num_warps=4, **launch_kwargs())
     return q
 
 

@@ -10,13 +10,17 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.ops.pdl import launch_kwargs
+from moeserve.ops.pdl_triton import wait_prior
+
 MAX_BLOCK = 1024
 
 
 @triton.jit
 def moe_combine_kernel(down_ptr, shared_ptr, gate_ptr, out_ptr, H, stride_down, stride_shared, stride_gate,
                        stride_out, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_prior(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
@@ -52,5 +56,6 @@ def moe_combine_triton(down: torch.Tensor, top_k: int, shared: torch.Tensor | No
     moe_combine_kernel[grid](down, s_out if s_out is not None else down, g if g is not None else down, out, h,
                              down.stride(0), s_out.stride(0) if s_out is not None else 0,
                              g.stride(0) if g is not None else 0, out.stride(0), TOP_K=top_k,
-                             HAS_SHARED=s_out is not None, HAS_GATE=g is not None, BLOCK=block, num_warps=4)
+                             HAS_SHARED=s_out is not None, HAS_GATE=g is not None, BLOCK=block, num_warps=4,
+                             **launch_kwargs())
     return out

@@ -27,6 +27,8 @@ import triton.language as tl
 
 from moeserve.ops.eager import eager
 from moeserve.ops.moe.routing_config import RouterPartials
+from moeserve.ops.pdl import launch_kwargs
+from moeserve.ops.pdl_triton import wait_prior
 
 MAX_EXPERTS = 4096
 MAX_TOPK = 64
@@ -74,7 +76,8 @@ def _select(x, valid, offs, t, gate, weights_ptr, ids_ptr, E, K: tl.constexpr, B
 @triton.jit
 def _topk_route_kernel(logits_ptr, stride_t, weights_ptr, ids_ptr, E, K: tl.constexpr, BLOCK_E: tl.constexpr,
                        BLOCK_K: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr,
-                       SHARED: tl.constexpr = 0, GATED: tl.constexpr = False):
+                       SHARED: tl.constexpr = 0, GATED: tl.constexpr = False, PDL: tl.constexpr = False):
+    wait_prior(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     valid = offs < E
@@ -87,9 +90,11 @@ def _topk_route_kernel(logits_ptr, stride_t, weights_ptr, ids_ptr, E, K: tl.cons
 
 @triton.jit
 def _router_partial_kernel(x_ptr, w_ptr, part_ptr, T, N, K, stride_xt, stride_wn, BLOCK_T: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """``part[s, t, n] = sum over slice s of K of x[t, k] * w[n, k]`` (float32): program ``(s, j)`` reads
     ``K_ITERS * BLOCK_K`` columns of every router row, for tokens ``j * BLOCK_T ..``."""
+    wait_prior(PDL)
     s = tl.program_id(0)
     offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_n = tl.arange(0, BLOCK_N)
@@ -112,10 +117,11 @@ def _router_partial_kernel(x_ptr, w_ptr, part_ptr, T, N, K, stride_xt, stride_wn
 def _topk_route_partials_kernel(part_ptr, T, logits_ptr, weights_ptr, ids_ptr, E, ROWS, SPLITS,
                                 K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
                                 SOFTMAX: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr = 0,
-                                GATED: tl.constexpr = False):
+                                GATED: tl.constexpr = False, PDL: tl.constexpr = False):
     """Adds one token's partial sums (``part [SPLITS, T, BLOCK_E]``, loaded at once), rounds them to the logits'
     dtype as a GEMM writing them would, stores the ``ROWS`` logits (the shared expert's gate among them) and
     routes on the first ``E``."""
+    wait_prior(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     offs_s = tl.arange(0, BLOCK_S)
@@ -164,7 +170,8 @@ def topk_route(logits: torch.Tensor, method: str, top_k: int, renormalize: bool 
         block_e = triton.next_power_of_2(e)
         _topk_route_kernel[(t,)](logits, logits.stride(0), weights, ids, e, K=top_k, BLOCK_E=block_e,
                                  BLOCK_K=triton.next_power_of_2(width), SOFTMAX=method == "softmax",
-                                 RENORM=renormalize, SHARED=shared, GATED=gated, num_warps=1 if block_e <= 128 else 4)
+                                 RENORM=renormalize, SHARED=shared, GATED=gated, num_warps=1 if block_e <= 128 else 4,
+                                 **launch_kwargs())
     return weights, ids
 
 
@@ -194,7 +201,7 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor) -> RouterPartials:
         block_t = max(16, triton.next_power_of_2(t))
         _router_partial_kernel[(splits, triton.cdiv(t, block_t))](
             x, weight, parts, t, n, k, x.stride(0), weight.stride(0), BLOCK_T=block_t, BLOCK_N=block_n,
-            BLOCK_K=ROUTER_BLOCK_K, K_ITERS=k_iters, num_warps=4)
+            BLOCK_K=ROUTER_BLOCK_K, K_ITERS=k_iters, num_warps=4, **launch_kwargs())
     return RouterPartials(parts, n, weight.dtype)
 
 
@@ -220,7 +227,7 @@ def topk_route_partials(p: RouterPartials, num_experts: int, method: str, top_k:
                                           BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(width),
                                           BLOCK_S=triton.next_power_of_2(splits),
                                           SOFTMAX=method == "softmax", RENORM=renormalize, SHARED=shared,
-                                          GATED=gated, num_warps=4)
+                                          GATED=gated, num_warps=4, **launch_kwargs())
     return weights, ids, logits
 
 

@@ -15,6 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.ops.pdl import launch_kwargs
+from moeserve.ops.pdl_triton import wait_prior
+
 from .combine import SharedExpertOutput, moe_combine
 from .triton_configs import get_config
 
@@ -40,8 +43,10 @@ def _expert_histogram(ids_ptr, start, stop, E, E_PAD: tl.constexpr, TILE: tl.con
 
 
 @triton.jit(do_not_specialize=["numel", "chunk"])
-def _moe_count_kernel(ids_ptr, hist_ptr, numel, chunk, E, E_PAD: tl.constexpr, TILE: tl.constexpr):
+def _moe_count_kernel(ids_ptr, hist_ptr, numel, chunk, E, E_PAD: tl.constexpr, TILE: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """Per-chunk expert histogram: ``hist[pid, e]`` = tokens of chunk ``pid`` routed to expert ``e``."""
+    wait_prior(PDL)
     pid = tl.program_id(0)
     start = pid * chunk
     stop = tl.minimum(numel, start + chunk)
@@ -53,13 +58,14 @@ def _moe_count_kernel(ids_ptr, hist_ptr, numel, chunk, E, E_PAD: tl.constexpr, T
 @triton.jit(do_not_specialize=["numel", "chunk", "num_chunks", "block_m", "num_blocks"])
 def _moe_align_kernel(ids_ptr, hist_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, numel, chunk, num_chunks, E,
                       block_m, num_blocks, E_PAD: tl.constexpr, NC_PAD: tl.constexpr, TILE: tl.constexpr,
-                      FUSED_COUNT: tl.constexpr):
+                      FUSED_COUNT: tl.constexpr, PDL: tl.constexpr = False):
     """Scatter chunk ``pid`` of the flat routing into expert-sorted, block-padded order.
 
     Every program derives the padded per-expert layout from the histogram (or counts the whole routing
     itself when ``FUSED_COUNT``, which requires a single chunk), writes its share of the block-to-expert
     map, and places each of its tokens at ``start[e] + (tokens of e before it)``.
     """
+    wait_prior(PDL)
     pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     if FUSED_COUNT:
@@ -128,11 +134,11 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
         num_chunks = triton.cdiv(numel, chunk)
         hist = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
         _moe_count_kernel[(num_chunks,)](ids, hist, numel, chunk, num_experts, E_PAD=e_pad, TILE=tile,
-                                         num_warps=4)
+                                         num_warps=4, **launch_kwargs())
     _moe_align_kernel[(num_chunks,)](ids, hist, sorted_ids, expert_ids, ntpp, numel, chunk, num_chunks,
                                      num_experts, block_m, num_blocks, E_PAD=e_pad,
                                      NC_PAD=triton.next_power_of_2(num_chunks), TILE=tile,
-                                     FUSED_COUNT=fused_count, num_warps=4)
+                                     FUSED_COUNT=fused_count, num_warps=4, **launch_kwargs())
     return sorted_ids, expert_ids, ntpp
 
 
@@ -185,7 +191,8 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
                      stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                      BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
                      GROUP_SIZE_M: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
-                     IEEE_FP32: tl.constexpr, PAIRWISE: tl.constexpr = False, SILU_MUL: tl.constexpr = False):
+                     IEEE_FP32: tl.constexpr, PAIRWISE: tl.constexpr = False, SILU_MUL: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
     """Grouped GEMM ``C[s, :] = A[s // top_k, :] @ B[expert(s)]^T`` over expert-sorted rows ``s``.
 
     ``A`` is ``[*, K]``, ``B`` is ``[E, N, K]``, ``C`` is ``[num_valid_tokens, N]``. Rows come from
@@ -197,6 +204,7 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
     columns ``2j`` and ``2j + 1`` (each rounded to ``C``'s dtype first, as a separate activation kernel would
     read them) become ``silu(gate) * up`` in column ``j`` of a half-width tile.
     """
+    wait_prior(PDL)
     pid_m, pid_n = program_tile(EM, N, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
     if not PAIRWISE:
         if pid_m * BLOCK_SIZE_M >= tl.load(num_tokens_post_padded_ptr):
@@ -236,8 +244,9 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """``out[r, :] = silu(x[r, :I]) * x[r, I:2I]``, computed in fp32."""
+    wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -288,7 +297,8 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t
             em, num_valid, top_k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
             c.stride(0), c.stride(1))
     kwargs = dict(meta, MUL_ROUTED_WEIGHT=mul_w, EVEN_K=k % meta["BLOCK_SIZE_K"] == 0,
-                  IEEE_FP32=a.dtype == torch.float32, PAIRWISE=pairwise, SILU_MUL=silu_mul, **opts)
+                  IEEE_FP32=a.dtype == torch.float32, PAIRWISE=pairwise, SILU_MUL=silu_mul, **opts,
+                  **launch_kwargs())
     if warmup:
         return fused_moe_kernel.warmup(*args, grid=grid, **kwargs)
     return fused_moe_kernel[grid](*args, **kwargs)
@@ -315,7 +325,8 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if rows:
         block = min(1024, triton.next_power_of_2(inter))
         _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0),
-                                                                BLOCK=block, num_warps=4)
+                                                                BLOCK=block, num_warps=4,
+                                                                **launch_kwargs())
     return out
 
 
