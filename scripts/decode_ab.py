@@ -23,14 +23,19 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--set", action="append", default=[], help="engine option key=value (ints and bools parsed)")
+    p.add_argument("--set", action="append", default=[],
+                   help="engine option key=value or section.key=value (ints and bools parsed)")
     p.add_argument("--label", default="")
     args = p.parse_args()
     opts = dict(dtype="bfloat16", max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=8192,
                 gpu_memory_utilization=0.85)
     for kv in args.set:
         k, v = kv.split("=", 1)
-        opts[k] = {"true": True, "false": False}.get(v, int(v) if v.lstrip("-").isdigit() else v)
+        *sections, name = k.split(".")  # backends.linear=triton: a field of a nested section
+        node = opts
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = {"true": True, "false": False}.get(v, int(v) if v.lstrip("-").isdigit() else v)
     import torch
 
     from moeserve import LLM, SamplingParams
