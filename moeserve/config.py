@@ -211,11 +211,11 @@ class EngineConfig(_Strict):
         64, ge=0, le=64, description="fused (Triton) softmax/Llama-4 routing: steps of at most this many tokens run "
         "the router's GEMM as moeserve's split-K kernel, its partial sums added by the routing kernel (cuBLAS runs "
         "this narrow GEMM on one or two thread blocks); 0 leaves it to the linear backend")
-    # FlashInfer's enable_pdl (its kernels default to it on Hopper)
-    enable_pdl: bool = Field(
-        True, description="GPUs of compute capability 9.0 and later: launch moeserve's Triton kernels with "
-        "programmatic dependent launch, so each may be scheduled while the kernel before it finishes (it waits for "
-        "that kernel's results on the GPU); false launches them one after the other as before")
+    # FlashInfer's enable_pdl (its own kernels default to it on Hopper), for moeserve's kernels and by step size
+    pdl_max_tokens: int = Field(
+        64, ge=0, description="GPUs of compute capability 9.0 and later: steps of at most this many tokens launch "
+        "moeserve's Triton kernels with programmatic dependent launch, each scheduled while the kernel before it "
+        "finishes (it waits for that kernel's results on the GPU); 0 launches them one after the other")
     moe_fuse_shared_expert: bool = Field(
         False, description="run the shared expert inside the fused MoE as always-chosen experts (its intermediate "
         "rows cut into moe_intermediate_size pieces, weighted by its gate): no separate shared-expert GEMMs or "

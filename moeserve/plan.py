@@ -84,14 +84,14 @@ class RuntimePlan:
                 and names.get("rope") == "flashinfer" and self.kv_dtype == self.dtype)
 
     @property
-    def pdl(self) -> bool:
-        """Whether moeserve's Triton kernels launch with programmatic dependent launch (``moeserve.ops.pdl``):
-        ``enable_pdl`` and a GPU of compute capability 9.0 or later."""
-        if self.device.type != "cuda" or not self.config.enable_pdl:
-            return False
+    def pdl_max_tokens(self) -> int:
+        """Steps of at most this many tokens launch moeserve's Triton kernels with programmatic dependent launch
+        (``moeserve.ops.pdl``): ``pdl_max_tokens`` on a GPU of compute capability 9.0 or later, else 0."""
+        if self.device.type != "cuda":
+            return 0
         gpus = self.hardware.gpus
         i = self.device.index or 0
-        return i < len(gpus) and gpus[i].capability >= (9, 0)
+        return self.config.pdl_max_tokens if i < len(gpus) and gpus[i].capability >= (9, 0) else 0
 
     def triton_fingerprint(self, device_name: str) -> dict:
         """What decides the Triton kernels this plan launches (``moeserve.kernel_cache.triton_cache``): the MoE
@@ -108,7 +108,7 @@ class RuntimePlan:
                 "gemv_max_tokens": gemv, "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
                 "fuse_shared_expert": self.config.moe_fuse_shared_expert,
                 "router_split_k_max_tokens": self.config.router_split_k_max_tokens if routing else 0,
-                "pdl": self.pdl,
+                "pdl_max_tokens": min(self.pdl_max_tokens, self.max_step_tokens),
                 "renormalize": m.routing.renormalize, "hidden_size": m.hidden_size, "num_experts": m.num_experts,
                 "moe_intermediate_size": m.moe_intermediate_size, "top_k": m.top_k,
                 "shared_expert": bool(m.shared_expert_intermediate_size),

@@ -231,7 +231,7 @@ class LLMEngine:
             "enable_prefix_caching": self.pool.enable_caching,
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "enable_expert_parallel": self.config.enable_expert_parallel,
-            "pdl": self.plan.pdl,
+            "pdl_max_tokens": self.plan.pdl_max_tokens,
         }
 
     def prefix_cache_stats(self) -> dict:

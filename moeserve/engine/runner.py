@@ -96,7 +96,8 @@ class ModelRunner:
         self._phase("cuda_init", t_start)
         t = time.perf_counter()
         self.kernel_cache = prepare_kernels(plan)
-        pdl.configure(plan.pdl)  # before any Triton kernel is warmed, compiled or captured
+        self.pdl_max_tokens = plan.pdl_max_tokens
+        pdl.configure(self.pdl_max_tokens)  # before any Triton kernel is warmed, compiled or captured
         self.backend_names = plan.backend_names
         self.ops = self._build_ops()
         t0 = self._phase("kernel_cache_and_ops", t)
@@ -362,6 +363,7 @@ class ModelRunner:
         items = step.requests
         prev = self._last.tokens if self._last is not None else None
         graphs = self.graphs
+        pdl.configure(self.pdl_max_tokens)  # the process-wide switch, as this engine's plan says
         scores_prompt = any(it.prompt_logprobs is not None for it in items)
         if graphs is not None and step.is_decode and len(items) <= graphs.max_batch_size and not scores_prompt:
             bucket = graphs.bucket(len(items))

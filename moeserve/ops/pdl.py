@@ -6,45 +6,48 @@ and that gap, paid at every launch, is a large part of a one-token step. On comp
 kernel launched with PDL (``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``; a programmatic edge when
 captured in a CUDA graph) may be scheduled while the kernel before it is still running; it blocks in
 ``griddepcontrol.wait`` until that kernel has completed and its memory is visible. FlashInfer launches its
-norm, attention and activation kernels this way on Hopper by default; with ``enable_pdl`` moeserve's Triton
-kernels (the QKV kernel, the router, routing, fused MoE and its alignment and combine, the GEMV) do too.
+norm, attention and activation kernels this way on Hopper by default; for steps of up to ``pdl_max_tokens``
+tokens moeserve's Triton kernels (the QKV kernel, the router, routing, fused MoE and its alignment and combine,
+the GEMV) do too.
 
-Each such kernel takes a ``PDL`` constexpr and starts with ``pdl_triton.wait_prior``: it waits for the previous kernel
-before it reads or writes anything (so no hazard depends on what a kernel reads later), then lets the next one
-be scheduled. ``PDL`` false compiles the kernel as before; the Triton interpreter runs it that way.
+Each such kernel takes a ``PDL`` constexpr and starts with ``pdl_triton.wait_prior``: it waits for the kernel
+before it ahead of reading or writing anything (so no hazard depends on what a kernel reads later), then lets
+the next one be scheduled; the fused MoE GEMM lets the next one be scheduled only after its main loop, so that
+kernel's blocks do not wait on SMs that the GEMM's later blocks could run on. ``PDL`` false compiles the kernel
+as before; the Triton interpreter runs it that way.
 
-The switch is process-wide (:func:`configure`): the engine sets it from its plan at start, before it warms or
-captures anything; ``moeserve precompile`` sets it from the plan of the target while it compiles. (This module
+The switch is process-wide (:func:`configure`), by step size: the engine sets it from its plan at start, before
+it warms or captures anything, and again before each step; ``moeserve precompile`` sets it from the plan of the target while it compiles. (This module
 imports nothing: the engine reads it on machines without Triton.)
 """
 from __future__ import annotations
 
 import contextlib
 
-_state = {"on": False}
+_state = {"max_tokens": 0}
 
 
-def configure(on: bool) -> None:
-    """Launch moeserve's Triton kernels with PDL from now on (``on``), or without."""
-    _state["on"] = bool(on)
+def configure(max_tokens: int) -> None:
+    """From now on, launches for steps of at most ``max_tokens`` tokens use PDL (0: none)."""
+    _state["max_tokens"] = max(0, int(max_tokens))
 
 
-def enabled() -> bool:
-    return _state["on"]
+def max_tokens() -> int:
+    return _state["max_tokens"]
 
 
 @contextlib.contextmanager
-def enabled_as(on: bool):
-    """Inside: :func:`configure` ``(on)``; the previous setting afterwards."""
-    saved = _state["on"]
-    configure(on)
+def enabled_as(max_tokens: int):
+    """Inside: :func:`configure` ``(max_tokens)``; the previous setting afterwards."""
+    saved = _state["max_tokens"]
+    configure(max_tokens)
     try:
         yield
     finally:
         configure(saved)
 
 
-def launch_kwargs() -> dict:
-    """The keyword arguments of a launch of a kernel that takes ``PDL``: the constexpr and Triton's launch
-    option, or nothing (the kernel's default, ``PDL=False``)."""
-    return {"PDL": True, "launch_pdl": True} if _state["on"] else {}
+def launch_kwargs(tokens: int) -> dict:
+    """The keyword arguments of a launch, for a step of ``tokens`` tokens, of a kernel that takes ``PDL``: the
+    constexpr and Triton's launch option, or nothing (the kernel's default, ``PDL=False``)."""
+    return {"PDL": True, "launch_pdl": True} if 0 < tokens <= _state["max_tokens"] else {}

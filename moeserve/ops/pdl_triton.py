@@ -8,9 +8,19 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def wait_prior(PDL: tl.constexpr):
+def wait_prior(PDL: tl.constexpr, LET_NEXT: tl.constexpr = True):
     """With ``PDL``: wait until the kernel before this one in the stream has completed and its writes are
-    visible, then let the kernel after this one be scheduled (it waits likewise before touching memory)."""
+    visible; with ``LET_NEXT`` too, let the kernel after this one be scheduled now (it waits likewise before
+    touching memory; without, it may start once every program of this one has called :func:`let_next_start` or
+    exited)."""
     if PDL:
         gdc_wait()
+        if LET_NEXT:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def let_next_start(PDL: tl.constexpr):
+    """With ``PDL``: this program no longer holds back the scheduling of the next kernel."""
+    if PDL:
         gdc_launch_dependents()

@@ -265,7 +265,7 @@ def launch_every_kernel(plan, on_step=None) -> None:
     on_step = on_step or (lambda t: None)
     fp = plan.triton_fingerprint("?")
     meta = torch.device("meta")
-    with torch.no_grad(), pdl.enabled_as(fp["pdl"]):  # PDL launches are their own compiles
+    with torch.no_grad(), pdl.enabled_as(fp["pdl_max_tokens"]):  # PDL launches are their own compiles
         if fp["fused_qkv"]:  # one kernel for every step size (the token count is the grid)
             on_step(1)
             launch_qkv_kernel(plan)

@@ -90,7 +90,7 @@ def test_a_layer_of_pdl_kernels_in_a_cuda_graph_matches_the_same_without_pdl_and
     capture.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(capture):
         for on in (0, 1):
-            with pdl.enabled_as(bool(on)):
+            with pdl.enabled_as(8192 if on else 0):
                 eager = _step(x, caches[on], m, lw, side)  # compiles and loads outside the capture
                 capture.wait_stream(side)
                 eager = {k: v.clone() for k, v in eager.items()}

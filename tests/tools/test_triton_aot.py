@@ -74,34 +74,45 @@ def test_built_kernels_serve_every_launch_from_disk_after_the_cache_moves(tmp_pa
     assert triton_cache.check_coverage(manifest, plan.triton_fingerprint(H200[1]), tmp_path / "moved" / "triton") == []
     again = triton_aot.build(plan, tmp_path / "moved", *H200, log=lambda s: None)  # fresh in-memory state
     assert [e["hash"] for e in again["entries"]] == [e["hash"] for e in config["entries"]]
-    assert plan.pdl  # on sm90 the kernels launch with programmatic dependent launch: compiles of their own
+    assert plan.pdl_max_tokens >= 24  # sm90: every step's kernels launch with PDL, compiles of their own
     with triton_aot.compile_session(tmp_path / "moved" / "triton", (9, 0), triton_aot.target_triton_key(None)[0]) \
             as events:
         import torch
         layer = triton_aot.meta_moe_layer(plan)
-        with torch.no_grad(), triton_aot.tuned_tables_for(H200[1]), pdl.enabled_as(plan.pdl):  # as the engine sets it
+        with torch.no_grad(), triton_aot.tuned_tables_for(H200[1]), pdl.enabled_as(plan.pdl_max_tokens):
             for t in (1, 7, 24):
                 layer(torch.empty((t, plan.arch.hidden_size), dtype=plan.dtype, device="meta"))
     assert events and all(e["cache_hit"] for e in events), [e for e in events if not e["cache_hit"]]
 
 
-def test_every_kernel_launches_with_pdl_on_hopper_unless_turned_off(tmp_path):
-    """On sm90 (``enable_pdl``, the default) every listed kernel is compiled with ``PDL=True`` (it waits for the
-    kernel before it) and Triton's ``launch_pdl``; ``enable_pdl: false`` lists the same kernels without it, and
-    the fingerprint tells the two apart (a cache of one does not cover the other). Below sm90 there is no PDL."""
-    on, off = tiny_plan(), tiny_plan(enable_pdl=False)
-    assert on.pdl and not off.pdl
-    fp_on, fp_off = on.triton_fingerprint(H200[1]), off.triton_fingerprint(H200[1])
-    assert fp_on["pdl"] is True and fp_off["pdl"] is False
-    assert {k: v for k, v in fp_on.items() if k != "pdl"} == {k: v for k, v in fp_off.items() if k != "pdl"}
-    listed_on = triton_aot.list_kernels(on, *H200, tmp_path / "on")
-    listed_off = triton_aot.list_kernels(off, *H200, tmp_path / "off")
-    assert sorted(k["name"] for k in listed_on) == sorted(k["name"] for k in listed_off)
-    assert listed_on and all(k["constants"].get("PDL") == "True" and k["constants"].get("launch_pdl") == "True"
-                             for k in listed_on), listed_on
-    assert all("PDL" not in k["constants"] and "launch_pdl" not in k["constants"] for k in listed_off)
-    assert not pdl.enabled()  # listing leaves the process's setting as it was
-    assert not plan_for_arch(make_config(model="tiny", dtype="bfloat16"), "8.0").pdl
+def test_kernels_launch_with_pdl_on_hopper_for_steps_up_to_pdl_max_tokens(tmp_path):
+    """On sm90 the kernels of steps of up to ``pdl_max_tokens`` tokens are compiled with ``PDL=True`` (each waits
+    for the kernel before it) and Triton's ``launch_pdl``, larger steps' without; ``pdl_max_tokens: 0`` lists the
+    same kernels without it, and the fingerprint tells the configurations apart. Below sm90 there is no PDL."""
+    every, off, small = tiny_plan(), tiny_plan(pdl_max_tokens=0), tiny_plan(pdl_max_tokens=4)
+    assert (every.pdl_max_tokens, off.pdl_max_tokens, small.pdl_max_tokens) == (64, 0, 4)
+    fps = [p.triton_fingerprint(H200[1]) for p in (every, off, small)]
+    assert [fp["pdl_max_tokens"] for fp in fps] == [24, 0, 4]  # 24: the largest step
+    assert all({k: v for k, v in fp.items() if k != "pdl_max_tokens"}
+               == {k: v for k, v in fps[0].items() if k != "pdl_max_tokens"} for fp in fps)
+
+    def listed(plan, name):
+        return triton_aot.list_kernels(plan, *H200, tmp_path / name)
+
+    def with_pdl(k):
+        has = k["constants"].get("PDL") == "True"
+        assert has == (k["constants"].get("launch_pdl") == "True"), k
+        return has
+
+    every_k, off_k, small_k = listed(every, "every"), listed(off, "off"), listed(small, "small")
+    assert every_k and all(with_pdl(k) for k in every_k)
+    assert not any(with_pdl(k) for k in off_k)
+    names = lambda ks, pdl_on: {k["name"] for k in ks if with_pdl(k) == pdl_on}  # noqa: E731
+    assert names(every_k, True) == names(off_k, False)  # the same kernels, launched the other way
+    assert names(small_k, True) == names(off_k, False)  # one-token and small steps launch every kernel kind
+    assert "_moe_align_kernel" in names(small_k, False)  # larger steps without PDL
+    assert pdl.max_tokens() == 0  # listing leaves the process's setting as it was
+    assert plan_for_arch(make_config(model="tiny", dtype="bfloat16"), "8.0").pdl_max_tokens == 0
 
 
 def test_the_qkv_kernel_is_listed_only_where_attention_takes_the_projection_whole(tmp_path):
@@ -129,7 +140,7 @@ def test_the_qkv_kernel_compiles_for_sm90_with_gqa_and_qk_norm(tmp_path):
                                      max_num_seqs=2), "9.0a")
     assert plan.fused_qkv and plan.arch.qk_norm and plan.arch.num_kv_heads < plan.arch.num_heads
     with triton_aot.compile_session(tmp_path, (9, 0), triton_aot.target_triton_key(None)[0]) as events, \
-            torch.no_grad(), pdl.enabled_as(plan.pdl):
+            torch.no_grad(), pdl.enabled_as(plan.pdl_max_tokens):
         triton_aot.launch_qkv_kernel(plan)
     assert [e["name"] for e in events] == ["qkv_rope_append_kernel"]
     consts = list(events[0]["constants"].values())  # HQ, HKV, D, ROT, PAGE, ..., QK_NORM, PDL in signature order
@@ -271,7 +282,7 @@ def test_gpu_first_kernel_loads_find_the_launchers_built_ahead(tmp_path, monkeyp
         monkeypatch.setattr(triton_build, "_build", lambda *a, **kw: (builds.append(a[0]), real(*a, **kw))[1])
         loaded = len(triton_cache.triton_events())
         layer = triton_aot.meta_moe_layer(plan, device=torch.device("cuda"))
-        with torch.no_grad(), triton_aot.tuned_tables_for(H200[1]):
+        with torch.no_grad(), triton_aot.tuned_tables_for(H200[1]), pdl.enabled_as(plan.pdl_max_tokens):
             for p in layer.parameters():
                 p.normal_(0.0, 0.02)
             for t in range(1, plan.max_step_tokens + 1):

@@ -147,7 +147,7 @@ def qkv_rope_append(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), eps,
         HQ=num_heads, HKV=num_kv_heads, D=head_dim, ROT=rot, PAGE=cache.shape[2], HQ_PAD=p2(num_heads),
         HKV_PAD=p2(num_kv_heads), D_PAD=p2(head_dim), HALF_PAD=p2(rot // 2), REST_PAD=max(2, p2(head_dim - rot)),
-        QK_NORM=norm, num_warps=4, **launch_kwargs())
+        QK_NORM=norm, num_warps=4, **launch_kwargs(t))
     return q
 
 

@@ -57,5 +57,5 @@ def moe_combine_triton(down: torch.Tensor, top_k: int, shared: torch.Tensor | No
                              down.stride(0), s_out.stride(0) if s_out is not None else 0,
                              g.stride(0) if g is not None else 0, out.stride(0), TOP_K=top_k,
                              HAS_SHARED=s_out is not None, HAS_GATE=g is not None, BLOCK=block, num_warps=4,
-                             **launch_kwargs())
+                             **launch_kwargs(t))
     return out

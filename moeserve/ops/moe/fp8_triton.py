@@ -239,7 +239,7 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     gate_up = torch.empty((rows, two_i), dtype=x.dtype, device=x.device)
     invoke_fused_moe_fp8_kernel(xq, xs, w13, w13_scale, gate_up, None, sorted_ids, expert_ids, ntpp, top_k,
                                 config, max_rows)
-    aq, as_ = quantize_activations(silu_and_mul(gate_up))
+    aq, as_ = quantize_activations(silu_and_mul(gate_up, tokens=t))
     down = (torch.zeros if masked_ids else torch.empty)((rows, h), dtype=x.dtype, device=x.device)
     invoke_fused_moe_fp8_kernel(aq, as_, w2, w2_scale, down, weights, sorted_ids, expert_ids, ntpp, 1, config,
                                 max_rows)

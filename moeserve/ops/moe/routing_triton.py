@@ -171,7 +171,7 @@ def topk_route(logits: torch.Tensor, method: str, top_k: int, renormalize: bool 
         _topk_route_kernel[(t,)](logits, logits.stride(0), weights, ids, e, K=top_k, BLOCK_E=block_e,
                                  BLOCK_K=triton.next_power_of_2(width), SOFTMAX=method == "softmax",
                                  RENORM=renormalize, SHARED=shared, GATED=gated, num_warps=1 if block_e <= 128 else 4,
-                                 **launch_kwargs())
+                                 **launch_kwargs(t))
     return weights, ids
 
 
@@ -201,7 +201,7 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor) -> RouterPartials:
         block_t = max(16, triton.next_power_of_2(t))
         _router_partial_kernel[(splits, triton.cdiv(t, block_t))](
             x, weight, parts, t, n, k, x.stride(0), weight.stride(0), BLOCK_T=block_t, BLOCK_N=block_n,
-            BLOCK_K=ROUTER_BLOCK_K, K_ITERS=k_iters, num_warps=4, **launch_kwargs())
+            BLOCK_K=ROUTER_BLOCK_K, K_ITERS=k_iters, num_warps=4, **launch_kwargs(t))
     return RouterPartials(parts, n, weight.dtype)
 
 
@@ -227,7 +227,7 @@ def topk_route_partials(p: RouterPartials, num_experts: int, method: str, top_k:
                                           BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(width),
                                           BLOCK_S=triton.next_power_of_2(splits),
                                           SOFTMAX=method == "softmax", RENORM=renormalize, SHARED=shared,
-                                          GATED=gated, num_warps=4, **launch_kwargs())
+                                          GATED=gated, num_warps=4, **launch_kwargs(t))
     return weights, ids, logits
 
 

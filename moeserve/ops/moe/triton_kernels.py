@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from moeserve.ops.pdl import launch_kwargs
-from moeserve.ops.pdl_triton import wait_prior
+from moeserve.ops.pdl_triton import let_next_start, wait_prior
 
 from .combine import SharedExpertOutput, moe_combine
 from .triton_configs import get_config
@@ -114,6 +114,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
     is ``[len(sorted_token_ids) // block_m]`` int32, the expert of each block (``-1`` past the end);
     ``num_tokens_post_padded`` is a ``[1]`` int32 device tensor. No host synchronisation.
     """
+    tokens = topk_ids.shape[0]  # the step's (for PDL)
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
@@ -134,11 +135,11 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
         num_chunks = triton.cdiv(numel, chunk)
         hist = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
         _moe_count_kernel[(num_chunks,)](ids, hist, numel, chunk, num_experts, E_PAD=e_pad, TILE=tile,
-                                         num_warps=4, **launch_kwargs())
+                                         num_warps=4, **launch_kwargs(tokens))
     _moe_align_kernel[(num_chunks,)](ids, hist, sorted_ids, expert_ids, ntpp, numel, chunk, num_chunks,
                                      num_experts, block_m, num_blocks, E_PAD=e_pad,
                                      NC_PAD=triton.next_power_of_2(num_chunks), TILE=tile,
-                                     FUSED_COUNT=fused_count, num_warps=4, **launch_kwargs())
+                                     FUSED_COUNT=fused_count, num_warps=4, **launch_kwargs(tokens))
     return sorted_ids, expert_ids, ntpp
 
 
@@ -204,7 +205,7 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
     columns ``2j`` and ``2j + 1`` (each rounded to ``C``'s dtype first, as a separate activation kernel would
     read them) become ``silu(gate) * up`` in column ``j`` of a half-width tile.
     """
-    wait_prior(PDL)
+    wait_prior(PDL, LET_NEXT=False)
     pid_m, pid_n = program_tile(EM, N, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
     if not PAIRWISE:
         if pid_m * BLOCK_SIZE_M >= tl.load(num_tokens_post_padded_ptr):
@@ -232,6 +233,7 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
             acc = tl.dot(a, b, acc=acc)
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
+    let_next_start(PDL)
 
     if SILU_MUL:
         gate, up = tl.split(tl.reshape(acc.to(c_ptr.dtype.element_ty).to(tl.float32),
@@ -271,7 +273,7 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t
                             sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
                             num_tokens_post_padded: torch.Tensor, top_k: int, config: dict,
                             max_padded_rows: int | None = None, warmup: bool = False, pairwise: bool = False,
-                            silu_mul: bool = False):
+                            silu_mul: bool = False, tokens: int | None = None):
     """Launch (or, with ``warmup``, only compile) :func:`fused_moe_kernel` for ``c = a[rows // top_k] @ b[e]^T``.
 
     ``c`` is ``[rows, N]`` with ``rows = len(topk_ids.flatten())``; ``topk_weights`` (flat fp32, ``[rows]``)
@@ -279,7 +281,8 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t
     that shrinks the grid (defaults to ``len(sorted_token_ids)``). ``pairwise``: ``expert_ids`` is the flat
     ``topk_ids`` and each (token, expert) pair is its own row tile (no alignment; ``sorted_token_ids`` and
     ``num_tokens_post_padded`` are not read). ``silu_mul``: ``b`` holds interleaved gate/up rows
-    (``interleave_gate_up``) and ``c`` ``[rows, N / 2]`` receives ``silu(gate) * up``.
+    (``interleave_gate_up``) and ``c`` ``[rows, N / 2]`` receives ``silu(gate) * up``. ``tokens``: the step's
+    token count (default ``rows / top_k``), which decides whether it launches with PDL (``moeserve.ops.pdl``).
     """
     num_valid, n = c.shape
     k = b.shape[2]
@@ -298,7 +301,7 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t
             c.stride(0), c.stride(1))
     kwargs = dict(meta, MUL_ROUTED_WEIGHT=mul_w, EVEN_K=k % meta["BLOCK_SIZE_K"] == 0,
                   IEEE_FP32=a.dtype == torch.float32, PAIRWISE=pairwise, SILU_MUL=silu_mul, **opts,
-                  **launch_kwargs())
+                  **launch_kwargs(num_valid // top_k if tokens is None else tokens))
     if warmup:
         return fused_moe_kernel.warmup(*args, grid=grid, **kwargs)
     return fused_moe_kernel[grid](*args, **kwargs)
@@ -316,8 +319,9 @@ def deinterleave_gate_up(w13: torch.Tensor) -> torch.Tensor:
     return w13.view(e, two_i // 2, 2, h).transpose(1, 2).reshape(e, two_i, h)
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(x[:, :I]) * x[:, I:]`` for ``x`` of shape ``[R, 2I]``, returned as ``[R, I]`` in ``x.dtype``."""
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, tokens: int | None = None) -> torch.Tensor:
+    """``silu(x[:, :I]) * x[:, I:]`` for ``x`` of shape ``[R, 2I]``, returned as ``[R, I]`` in ``x.dtype``;
+    ``tokens``: the step's token count (default ``R``), for PDL."""
     rows, two_i = x.shape
     inter = two_i // 2
     if out is None:
@@ -326,7 +330,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         block = min(1024, triton.next_power_of_2(inter))
         _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0),
                                                                 BLOCK=block, num_warps=4,
-                                                                **launch_kwargs())
+                                                                **launch_kwargs(rows if tokens is None else tokens))
     return out
 
 
@@ -387,16 +391,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if interleaved:
         act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
         invoke_fused_moe_kernel(x, w13, act, None, sorted_ids, expert_ids, ntpp, top_k, config, max_rows,
-                                pairwise=pairwise, silu_mul=True)
+                                pairwise=pairwise, silu_mul=True, tokens=t)
     else:
         gate_up = torch.empty((rows, two_i), dtype=x.dtype, device=x.device)
         invoke_fused_moe_kernel(x, w13, gate_up, None, sorted_ids, expert_ids, ntpp, top_k, config, max_rows,
-                                pairwise=pairwise)
-        act = silu_and_mul(gate_up)
+                                pairwise=pairwise, tokens=t)
+        act = silu_and_mul(gate_up, tokens=t)
     # rows of a masked id are never written: zero them for the combine's sum
     down = (torch.zeros if masked_ids else torch.empty)((rows, h), dtype=x.dtype, device=x.device)
     invoke_fused_moe_kernel(act, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, config, max_rows,
-                            pairwise=pairwise)
+                            pairwise=pairwise, tokens=t)
     return moe_combine(down, top_k, shared, out)
 
 
@@ -418,6 +422,7 @@ def fused_moe_warmup(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k
     act = torch.empty((rows, two_i // 2), dtype=x.dtype, device=dev)
     down = torch.empty((rows, h), dtype=x.dtype, device=dev)
     k1 = invoke_fused_moe_kernel(x, w13, gate_up, None, sorted_ids, expert_ids, ntpp, top_k, config, warmup=True,
-                                 silu_mul=interleaved)
-    k2 = invoke_fused_moe_kernel(act, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, config, warmup=True)
+                                 silu_mul=interleaved, tokens=t)
+    k2 = invoke_fused_moe_kernel(act, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, config, warmup=True,
+                                 tokens=t)
     return k1, k2
