@@ -32,8 +32,8 @@ from moeserve.engine.step import SamplingRow, ScheduledRequest, StepInput, StepO
 from moeserve.kernel_cache.triton_cache import wait_launchers
 from moeserve.models.layers import MoECausalLM, Ops
 from moeserve.models.parallel import local_heads
-from moeserve.ops.kv_cache import KVCache
 from moeserve.ops import pdl
+from moeserve.ops.kv_cache import KVCache
 from moeserve.ops.parallel import all_reduce_min
 from moeserve.ops.sampling import SamplingBatch, to_device
 from moeserve.plan import RuntimePlan

@@ -17,8 +17,9 @@ kernel's blocks do not wait on SMs that the GEMM's later blocks could run on. ``
 as before; the Triton interpreter runs it that way.
 
 The switch is process-wide (:func:`configure`), by step size: the engine sets it from its plan at start, before
-it warms or captures anything, and again before each step; ``moeserve precompile`` sets it from the plan of the target while it compiles. (This module
-imports nothing: the engine reads it on machines without Triton.)
+it warms or captures anything, and again before each step; ``moeserve precompile`` sets it from the plan of the
+target while it compiles (the QKV kernel, one for every step size, both ways when the bound is below the largest
+step). This module imports nothing: the engine reads it on machines without Triton.
 """
 from __future__ import annotations
 

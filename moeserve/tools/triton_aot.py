@@ -238,12 +238,12 @@ def meta_linear_shapes(plan) -> list[tuple[int, int, bool, torch.dtype]]:
     return sorted(shapes, key=str)
 
 
-def launch_qkv_kernel(plan) -> torch.Tensor:
+def launch_qkv_kernel(plan, tokens: int = 1) -> torch.Tensor:
     """The attention's QKV kernel (``moeserve.ops.attention.qkv_triton``) as the engine launches it for this plan,
-    on ``meta`` tensors, for a step of one token (the token count is only the grid)."""
+    on ``meta`` tensors, for a step of ``tokens`` tokens (the grid; and whether it launches with PDL)."""
     from moeserve.models.parallel import local_heads
     from moeserve.ops.attention.qkv_triton import qkv_rope_append
-    m, dev, dt, tokens = plan.arch, torch.device("meta"), plan.dtype, 1
+    m, dev, dt = plan.arch, torch.device("meta"), plan.dtype
     hq, hkv, _ = local_heads(m, plan.parallel)
     d, i32 = m.head_dim, dict(dtype=torch.int32, device=dev)
     page = plan.config.page_size
@@ -266,9 +266,11 @@ def launch_every_kernel(plan, on_step=None) -> None:
     fp = plan.triton_fingerprint("?")
     meta = torch.device("meta")
     with torch.no_grad(), pdl.enabled_as(fp["pdl_max_tokens"]):  # PDL launches are their own compiles
-        if fp["fused_qkv"]:  # one kernel for every step size (the token count is the grid)
-            on_step(1)
-            launch_qkv_kernel(plan)
+        if fp["fused_qkv"]:  # one kernel for every step size (the token count is the grid), with PDL or without
+            bound = fp["pdl_max_tokens"]
+            for tokens in sorted({1, bound + 1} if 0 < bound < plan.max_step_tokens else {1}):
+                on_step(tokens)
+                launch_qkv_kernel(plan, tokens)
         if fp["moe"] or fp["routing"]:
             layer = meta_moe_layer(plan)
             for tokens in range(1, plan.max_step_tokens + 1):

@@ -47,6 +47,9 @@ def test_dry_run_lists_the_triton_kernels_of_the_bench_configuration():
     # Qwen1.5's gated shared expert: the combine adds it with the gate from the router's extra row
     assert "TOP_K=4 HAS_SHARED=True HAS_GATE=True" in text
     assert "PDL=True launch_pdl=True" in text and "PDL=False" not in text  # sm90: programmatic dependent launch
+    # steps of up to 64 tokens launch with PDL, larger ones without: the QKV kernel (one for every step size) both ways
+    qkv = [line for line in text.splitlines() if "qkv_rope_append_kernel" in line]
+    assert len(qkv) == 2 and sum("PDL=True" in line for line in qkv) == 1, qkv
     assert "BLOCK_SIZE_M=16 BLOCK_SIZE_N=32 BLOCK_SIZE_K=128" in text  # the tuned H200 table's M=1 tile
     assert "PAIRWISE=True" in text and "PAIRWISE=False" in text  # one-token steps skip the alignment
     # the (opt-in) triton linear backend's GEMV: qkv_proj carries a bias, the shared expert's down projection
