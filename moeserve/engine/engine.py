@@ -77,9 +77,12 @@ class LLMEngine:
         self.runner.warm_up()
         self.ready_seconds = time.perf_counter() - t0
         self.startup_phases = {"plan": round(t_plan, 3), **self.runner.startup_phases, "tokenizer": round(t_tok, 3)}
-        log.info("engine ready in %.1f s: %s on %s, %s, backends %s, fused kernels %s, %d KV pages of %d tokens",
-                 self.ready_seconds, self.source.name, self.runner.device, str(self.runner.dtype).removeprefix("torch."),
-                 self.runner.backend_names, self.runner.fusions or "none", self.pool.capacity, self.pool.page_size)
+        pdl = self.plan.pdl_max_tokens
+        r = self.runner
+        log.info("engine ready in %.1f s: %s on %s, %s, backends %s, fused kernels %s, %s, %d KV pages of %d tokens",
+                 self.ready_seconds, self.source.name, r.device, str(r.dtype).removeprefix("torch."), r.backend_names,
+                 r.fusions or "none", f"PDL for steps of up to {pdl} tokens" if pdl else "no PDL", self.pool.capacity,
+                 self.pool.page_size)
         log.info("start-up: %s", describe_phases(self.startup_phases, self.runner.weights_bytes))
         if self.runner.device.type == "cuda":
             from moeserve.engine.kernels import kernels_summary

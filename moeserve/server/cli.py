@@ -152,7 +152,9 @@ async def _serve(app, sock, log_level: str) -> int:
               f"(device {d['device']}, {d['dtype']}, {d['kv_pages']} KV pages of {d['page_size']} tokens, "
               f"max_model_len {d['max_model_len']}; engine core pid {d['pid']})", flush=True)
         print("moeserve: backends " + ", ".join(f"{op}={b}" for op, b in d["backends"].items())
-              + (f"; fused kernels: {', '.join(d['fusions'])}" if d.get("fusions") else ""), flush=True)
+              + (f"; fused kernels: {', '.join(d['fusions'])}" if d.get("fusions") else "")
+              + (f"; PDL for steps of up to {d['pdl_max_tokens']} tokens" if d.get("pdl_max_tokens") else ""),
+              flush=True)
         if state.api_key:
             print("moeserve: /v1 routes need 'Authorization: Bearer <api key>'", flush=True)
     await task

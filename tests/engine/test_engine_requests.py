@@ -144,7 +144,7 @@ def test_reports_name_the_fused_kernels(llm):
     from types import SimpleNamespace as NS
 
     from moeserve.engine.runner import ModelRunner
-    assert llm.engine.describe()["fusions"] == []
+    assert llm.engine.describe()["fusions"] == [] and llm.engine.describe()["pdl_max_tokens"] == 0
     block = NS(w13_order="interleaved", router_gemm_split=lambda tokens: tokens <= 64)
     fused = NS(ops=NS(attention=NS(fuse_qkv=True)), model=NS(moe_blocks=lambda: [block]))
     assert ModelRunner.fusions.fget(fused) == ["qkv-norm-rope-append", "swiglu-in-expert-gemm", "router-gemm-split-k"]

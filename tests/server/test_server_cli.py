@@ -46,6 +46,7 @@ def test_serve_prints_url_and_backends_and_stops_on_ctrl_c(model_dir):
         m = re.search(r"serving 'cli-model' at (http://127\.0\.0\.1:\d+)/v1", out)
         assert m, out
         assert "moe=torch" in out and "attention=torch" in out
+        assert "PDL" not in lines[-1] and "no PDL" in out  # the CPU launches no kernel with PDL
         url = m.group(1)
         auth = {"Authorization": "Bearer k1"}
         assert httpx.get(url + "/health").status_code == 200
@@ -53,6 +54,7 @@ def test_serve_prints_url_and_backends_and_stops_on_ctrl_c(model_dir):
         assert httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"] == "cli-model"
         info = httpx.get(url + "/server_info", headers=auth).json()
         assert info["load"]["max_queue_len"] == 5 and info["engine"]["kv_pages"] == 63
+        assert info["engine"]["pdl_max_tokens"] == 0
         r = httpx.post(url + "/v1/completions", headers=auth, json={"prompt": [1, 2, 3], "max_tokens": 3,
                                                                     "ignore_eos": True}, timeout=60)
         assert r.json()["usage"]["completion_tokens"] == 3
