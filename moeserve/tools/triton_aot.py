@@ -268,7 +268,7 @@ def launch_every_kernel(plan, on_step=None) -> None:
     with torch.no_grad(), pdl.enabled_as(fp["pdl_max_tokens"]):  # PDL launches are their own compiles
         if fp["fused_qkv"]:  # one kernel for every step size (the token count is the grid), with PDL or without
             bound = fp["pdl_max_tokens"]
-            for tokens in sorted({1, bound + 1} if 0 < bound < plan.max_step_tokens else {1}):
+            for tokens in [1] + ([bound + 1] if 0 < bound < plan.max_step_tokens else []):
                 on_step(tokens)
                 launch_qkv_kernel(plan, tokens)
         if fp["moe"] or fp["routing"]:
