@@ -23,7 +23,8 @@ from moeserve.models.arch import ArchConfig
 from moeserve.models.base import Entry, Linear, Ops, empty_param, is_fp8_ops, tp_shard
 from moeserve.models.parallel import MoEParallel, Shard, local_experts, local_heads, padded_vocab
 from moeserve.ops.moe.combine import SharedExpertOutput
-from moeserve.ops.moe.routing import RouterPartials, append_shared, select_experts
+from moeserve.ops.moe.routing import append_shared, select_experts
+from moeserve.ops.moe.routing_config import RouterPartials
 from moeserve.quant.fp8 import FP8_DTYPE, block_scale_shape
 from moeserve.quant.moe_ref import experts_fp8_reference
 

@@ -25,7 +25,6 @@ import torch
 
 from moeserve.ops.eager import eager
 from moeserve.ops.interfaces import RoutingBackend
-from moeserve.ops.moe.routing_config import RouterPartials  # noqa: F401  (SparseMoE imports it from here)
 from moeserve.ops.moe.routing_config import RoutingConfig  # noqa: F401  (its home before; imported from here)
 
 log = logging.getLogger("moeserve")
