@@ -225,6 +225,9 @@ class EngineConfig(_Strict):
         8, ge=0, description="steps of at most this many tokens prefetch the l2_prefetch weights; 0: none")
     l2_prefetch_evict_last: bool = Field(
         True, description="prefetched lines are the last L2 evicts (false: the normal policy)")
+    l2_prefetch_method: Literal["bulk", "lines", "loads"] = Field(
+        "bulk", description="how the prefetch kernel fetches: bulk (the TMA unit's cp.async.bulk.prefetch.L2), lines "
+        "(prefetch.global.L2 per 128-byte line) or loads (loads whose values are dropped)")
     moe_fuse_shared_expert: bool = Field(
         False, description="run the shared expert inside the fused MoE as always-chosen experts (its intermediate "
         "rows cut into moe_intermediate_size pieces, weighted by its gate): no separate shared-expert GEMMs or "

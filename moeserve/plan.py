@@ -123,6 +123,7 @@ class RuntimePlan:
                 "pdl_max_tokens": min(self.pdl_max_tokens, self.max_step_tokens),
                 "l2_prefetch": sorted(self.config.l2_prefetch) if self.l2_prefetch_max_tokens else [],
                 "l2_prefetch_evict_last": self.config.l2_prefetch_evict_last,
+                "l2_prefetch_method": self.config.l2_prefetch_method,
                 "renormalize": m.routing.renormalize, "hidden_size": m.hidden_size, "num_experts": m.num_experts,
                 "moe_intermediate_size": m.moe_intermediate_size, "top_k": m.top_k,
                 "shared_expert": bool(m.shared_expert_intermediate_size),

@@ -15,6 +15,8 @@ import random
 import statistics
 import time
 
+import yaml
+
 
 def main() -> int:
     p = argparse.ArgumentParser()
@@ -24,7 +26,7 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--set", action="append", default=[],
-                   help="engine option key=value or section.key=value (ints and bools parsed)")
+                   help="engine option key=value or section.key=value (the value read as YAML, as the CLI's --set)")
     p.add_argument("--label", default="")
     args = p.parse_args()
     opts = dict(dtype="bfloat16", max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=8192,
@@ -35,7 +37,7 @@ def main() -> int:
         node = opts
         for section in sections:
             node = node.setdefault(section, {})
-        node[name] = {"true": True, "false": False}.get(v, int(v) if v.lstrip("-").isdigit() else v)
+        node[name] = yaml.safe_load(v) if v.strip() else ""
     import torch
 
     from moeserve import LLM, SamplingParams

@@ -170,7 +170,8 @@ class ModelRunner:
                    side_stream=torch.cuda.Stream(dev) if side else None,
                    side_stream_max_tokens=self.cfg.shared_expert_stream_max_tokens, parallel=self.parallel,
                    prefetch=L2Prefetch(dev, self.cfg.l2_prefetch, plan.l2_prefetch_max_tokens,
-                                       self.cfg.l2_prefetch_evict_last) if plan.l2_prefetch_max_tokens else None)
+                                       self.cfg.l2_prefetch_evict_last, self.cfg.l2_prefetch_method)
+                   if plan.l2_prefetch_max_tokens else None)
 
     def _load_model(self) -> tuple[MoECausalLM, str, list[str]]:
         """The model with its weights in place and every MoE layer prepared by the routing and MoE backends;

@@ -28,14 +28,16 @@ LAYER_START = ("o_proj", "shared_down", "shared_gate_up")  # issued at a layer's
 
 
 class L2Prefetch:
-    def __init__(self, device: torch.device, targets, max_tokens: int, evict_last: bool = True):
+    def __init__(self, device: torch.device, targets, max_tokens: int, evict_last: bool = True,
+                 method: str = "bulk"):
         bad = [t for t in targets if t not in TARGETS]
         if bad:
             raise ValueError(f"l2_prefetch: unknown target {bad[0]!r} (one of {', '.join(TARGETS)})")
         self.targets = frozenset(targets)
         self.max_tokens = max_tokens
-        self.evict_last = evict_last
-        self.stream = torch.cuda.Stream(device)
+        self.evict_last, self.method = evict_last, method
+        self.sink = torch.empty(1, dtype=torch.int32, device=device)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._forked = False
 
     def takes(self, tokens: int, target: str) -> bool:
@@ -64,12 +66,14 @@ class L2Prefetch:
         self.stream.wait_stream(torch.cuda.current_stream())
         self._forked = True
         with torch.cuda.stream(self.stream):
-            launch_prefetch(w, ids, self.evict_last)
+            launch_prefetch(w, ids, self.evict_last, self.method, self.sink)
 
 
-def launch_prefetch(w: torch.Tensor, ids: torch.Tensor | None, evict_last: bool) -> None:
-    """On the current stream: the kernel that prefetches ``w`` whole (``ids`` None) or its rows ``w[ids]``."""
-    from moeserve.ops.l2_prefetch_triton import CHUNK, LANES, l2_prefetch_kernel
+def launch_prefetch(w: torch.Tensor, ids: torch.Tensor | None, evict_last: bool, method: str = "bulk",
+                    sink: torch.Tensor | None = None) -> None:
+    """On the current stream: the kernel that prefetches ``w`` whole (``ids`` None) or its rows ``w[ids]``
+    (``method``: see ``moeserve.ops.l2_prefetch_triton``; ``sink`` one scratch int32 for ``loads``)."""
+    from moeserve.ops.l2_prefetch_triton import BLOCK, LANES, LOAD_WORDS, l2_prefetch_kernel
     if not w.is_contiguous() or w.data_ptr() % 16:
         raise ValueError("l2 prefetch: a weight must be contiguous and 16-byte aligned")
     if ids is None:
@@ -79,6 +83,12 @@ def launch_prefetch(w: torch.Tensor, ids: torch.Tensor | None, evict_last: bool)
         ids_arg = ids.reshape(-1) if ids.dtype == torch.int32 else ids.reshape(-1).to(torch.int32)
         n_ids, rows = ids_arg.numel(), w.shape[0]
         stride = n_bytes = w.stride(0) * w.element_size()
-    grid = (-(-n_bytes // (LANES * CHUNK)), n_ids)
-    l2_prefetch_kernel[grid](w, ids_arg, n_ids, n_bytes, stride, rows, BY_ID=ids is not None, EVICT_LAST=evict_last,
-                             CHUNK=CHUNK, LANES=LANES, num_warps=1)
+        if stride % 16:
+            raise ValueError("l2 prefetch: the rows of a weight prefetched by id must be a multiple of 16 bytes")
+    if sink is None:
+        sink = torch.empty(1, dtype=torch.int32, device=w.device)
+    block = BLOCK[method]
+    grid = (-(-n_bytes // block), n_ids)
+    l2_prefetch_kernel[grid](w, ids_arg, sink, n_ids, n_bytes, stride, rows, BY_ID=ids is not None,
+                             EVICT_LAST=evict_last, METHOD=method, BLOCK=block, LANES=LANES,
+                             LOAD_WORDS=min(LOAD_WORDS, block // 4), num_warps=1 if method == "bulk" else 4)

@@ -294,12 +294,14 @@ def launch_prefetch_kernels(plan) -> None:
     """The L2 prefetch kernel (``moeserve.ops.l2_prefetch``) on ``meta`` tensors: whole weights of each dtype the
     model's linears have, and the routed experts' rows by id."""
     from moeserve.ops.l2_prefetch import launch_prefetch
-    meta, evict_last = torch.device("meta"), plan.config.l2_prefetch_evict_last
+    c, meta = plan.config, torch.device("meta")
+    how = dict(evict_last=c.l2_prefetch_evict_last, method=c.l2_prefetch_method,
+               sink=torch.empty(1, dtype=torch.int32, device=meta))
     for wdtype in sorted({s[3] for s in meta_linear_shapes(plan)}, key=str):
-        launch_prefetch(torch.empty((16, 16), dtype=wdtype, device=meta), None, evict_last)
-    if "expert_down" in plan.config.l2_prefetch and plan.arch.num_experts:
+        launch_prefetch(torch.empty((16, 16), dtype=wdtype, device=meta), None, **how)
+    if "expert_down" in c.l2_prefetch and plan.arch.num_experts:
         w2 = meta_moe_layer(plan).w2
-        launch_prefetch(w2, torch.empty((1, plan.arch.top_k), dtype=torch.int32, device=meta), evict_last)
+        launch_prefetch(w2, torch.empty((1, plan.arch.top_k), dtype=torch.int32, device=meta), **how)
 
 
 def list_kernels(plan, capability: tuple[int, int], device_name: str, scratch: Path) -> list[dict]:
