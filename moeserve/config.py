@@ -216,18 +216,6 @@ class EngineConfig(_Strict):
         64, ge=0, description="GPUs of compute capability 9.0 and later: steps of at most this many tokens launch "
         "moeserve's Triton kernels with programmatic dependent launch, each scheduled while the kernel before it "
         "finishes (it waits for that kernel's results on the GPU); 0 launches them one after the other")
-    l2_prefetch: list[Literal["o_proj", "shared_down", "shared_gate_up", "expert_down", "next_qkv"]] = Field(
-        default_factory=list, description="GPUs of compute capability 9.0 and later, small steps: weights fetched into "
-        "L2 on a second CUDA stream before the kernel that reads them runs: o_proj, shared_down, shared_gate_up (at "
-        "a layer's start), expert_down (the chosen experts' down projections, once routed), next_qkv (the next "
-        "layer's QKV projection, once routed); empty: none")
-    l2_prefetch_max_tokens: int = Field(
-        8, ge=0, description="steps of at most this many tokens prefetch the l2_prefetch weights; 0: none")
-    l2_prefetch_evict_last: bool = Field(
-        True, description="prefetched lines are the last L2 evicts (false: the normal policy)")
-    l2_prefetch_method: Literal["bulk", "lines", "loads"] = Field(
-        "bulk", description="how the prefetch kernel fetches: bulk (the TMA unit's cp.async.bulk.prefetch.L2), lines "
-        "(prefetch.global.L2 per 128-byte line) or loads (loads whose values are dropped)")
     moe_fuse_shared_expert: bool = Field(
         False, description="run the shared expert inside the fused MoE as always-chosen experts (its intermediate "
         "rows cut into moe_intermediate_size pieces, weighted by its gate): no separate shared-expert GEMMs or "

@@ -87,23 +87,11 @@ class RuntimePlan:
     def pdl_max_tokens(self) -> int:
         """Steps of at most this many tokens launch moeserve's Triton kernels with programmatic dependent launch
         (``moeserve.ops.pdl``): ``pdl_max_tokens`` on a GPU of compute capability 9.0 or later, else 0."""
-        return self.config.pdl_max_tokens if self.sm90 else 0
-
-    @property
-    def l2_prefetch_max_tokens(self) -> int:
-        """Steps of at most this many tokens prefetch the ``l2_prefetch`` weights (``moeserve.ops.l2_prefetch``):
-        on a GPU of compute capability 9.0 or later, without ``torch_compile``, else 0."""
-        c = self.config
-        return c.l2_prefetch_max_tokens if c.l2_prefetch and self.sm90 and not c.torch_compile else 0
-
-    @property
-    def sm90(self) -> bool:
-        """Whether the plan's GPU has compute capability 9.0 or later."""
         if self.device.type != "cuda":
-            return False
+            return 0
         gpus = self.hardware.gpus
         i = self.device.index or 0
-        return i < len(gpus) and gpus[i].capability >= (9, 0)
+        return self.config.pdl_max_tokens if i < len(gpus) and gpus[i].capability >= (9, 0) else 0
 
     def triton_fingerprint(self, device_name: str) -> dict:
         """What decides the Triton kernels this plan launches (``moeserve.kernel_cache.triton_cache``): the MoE
@@ -115,15 +103,12 @@ class RuntimePlan:
         gemv = self.config.linear_gemv_max_tokens if self.backends["linear"].name == "triton" else 0
         gated = bool(m.shared_expert_intermediate_size and m.shared_expert_gate)
         qkv = self.fused_qkv
-        return {"kernels": moe or routing or gemv > 0 or qkv or self.l2_prefetch_max_tokens > 0, "moe": moe,
+        return {"kernels": moe or routing or gemv > 0 or qkv, "moe": moe,
                 "routing": m.routing.method if routing else None, "fused_qkv": qkv,
                 "gemv_max_tokens": gemv, "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
                 "fuse_shared_expert": self.config.moe_fuse_shared_expert,
                 "router_split_k_max_tokens": self.config.router_split_k_max_tokens if routing else 0,
                 "pdl_max_tokens": min(self.pdl_max_tokens, self.max_step_tokens),
-                "l2_prefetch": sorted(self.config.l2_prefetch) if self.l2_prefetch_max_tokens else [],
-                "l2_prefetch_evict_last": self.config.l2_prefetch_evict_last,
-                "l2_prefetch_method": self.config.l2_prefetch_method,
                 "renormalize": m.routing.renormalize, "hidden_size": m.hidden_size, "num_experts": m.num_experts,
                 "moe_intermediate_size": m.moe_intermediate_size, "top_k": m.top_k,
                 "shared_expert": bool(m.shared_expert_intermediate_size),

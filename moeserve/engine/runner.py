@@ -34,7 +34,6 @@ from moeserve.models.layers import MoECausalLM, Ops
 from moeserve.models.parallel import local_heads
 from moeserve.ops import pdl
 from moeserve.ops.kv_cache import KVCache
-from moeserve.ops.l2_prefetch import L2Prefetch
 from moeserve.ops.parallel import all_reduce_min
 from moeserve.ops.sampling import SamplingBatch, to_device
 from moeserve.plan import RuntimePlan
@@ -168,10 +167,7 @@ class ModelRunner:
                    moe=moe, routing=routing,
                    rope_cls=cls("rope"), names=self.backend_names, quantization=self.quantization,
                    side_stream=torch.cuda.Stream(dev) if side else None,
-                   side_stream_max_tokens=self.cfg.shared_expert_stream_max_tokens, parallel=self.parallel,
-                   prefetch=L2Prefetch(dev, self.cfg.l2_prefetch, plan.l2_prefetch_max_tokens,
-                                       self.cfg.l2_prefetch_evict_last, self.cfg.l2_prefetch_method)
-                   if plan.l2_prefetch_max_tokens else None)
+                   side_stream_max_tokens=self.cfg.shared_expert_stream_max_tokens, parallel=self.parallel)
 
     def _load_model(self) -> tuple[MoECausalLM, str, list[str]]:
         """The model with its weights in place and every MoE layer prepared by the routing and MoE backends;

@@ -8,7 +8,6 @@ import torch
 import torch.nn as nn
 
 from moeserve.models.parallel import Shard
-from moeserve.ops.l2_prefetch import L2Prefetch
 from moeserve.ops.interfaces import (ActivationBackend, AttentionBackend, LinearBackend, MoEBackend, NormBackend,
                                      RopeBackend, RoutingBackend)
 from moeserve.ops.parallel import Parallel
@@ -32,8 +31,6 @@ class Ops:
     # of at most ``side_stream_max_tokens`` tokens (vLLM's shared-experts stream); None: one stream.
     side_stream: torch.cuda.Stream | None = None
     side_stream_max_tokens: int = 0
-    # weights fetched into L2 on a second stream ahead of the kernels that read them (small steps), or None
-    prefetch: L2Prefetch | None = None
     parallel: Parallel = field(default_factory=Parallel)  # this rank's place among the GPUs (one rank: no split)
 
 

@@ -168,7 +168,6 @@ class SparseMoE(nn.Module):
                 self.shared_expert_gate = Linear(ops, h, 1, False, dtype, device)
         self.moe_parallel = MoEParallel(p, e, device, ops.moe.maps_expert_ids) if p.is_parallel else None
         self.fused_shared = 0  # shared-expert pieces appended to the routed experts (fuse_shared_expert)
-        self.next_qkv: tuple[Linear, ...] = ()  # the next layer's QKV projection (its L2 prefetch target)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor | RouterPartials:
         """The router's GEMM of the tokens ``x``: its logits, or for small steps where the routing kernel takes
@@ -248,13 +247,6 @@ class SparseMoE(nn.Module):
         # layer waits on (c=1 step profile on an H200: the top-k kernel adding the router's partial sums 11 us per
         # layer there).
         weights, ids, gate_logit = self.route(x)
-        pf = self.ops.prefetch
-        if pf is not None:  # the chosen experts' down projections, the next layer's QKV (moeserve.ops.l2_prefetch)
-            t = x.shape[0]
-            if pf.takes(t, "expert_down") and self.expert_ep[0] == 1 and not self.fused_shared:
-                pf.rows(self.w2, ids)
-            if pf.takes(t, "next_qkv") and self.next_qkv:
-                pf.weights([self.next_qkv[0].weight])
         if self.shared_expert is not None and stream is not None and x.shape[0] <= self.ops.side_stream_max_tokens:
             stream.wait_stream(torch.cuda.current_stream())  # x and the routing are ready
             with torch.cuda.stream(stream):
@@ -334,9 +326,7 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(ops, arch.hidden_size, arch.dense_intermediate_size, dtype, device)
 
     def forward(self, positions, hidden, residual):
-        norm, pf = self.ops.norm, self.ops.prefetch
-        if pf is not None:  # weights read later in this layer (moeserve.ops.l2_prefetch)
-            pf.weights(self.prefetch_weights(hidden.shape[0]))
+        norm = self.ops.norm
         if residual is None:
             residual = hidden
             h = norm.rmsnorm(hidden, self.input_layernorm, self.eps)
@@ -344,22 +334,7 @@ class DecoderLayer(nn.Module):
             h, residual = norm.add_rmsnorm(hidden, residual, self.input_layernorm, self.eps)
         h = self.self_attn(positions, h)
         h, residual = norm.add_rmsnorm(h, residual, self.post_attention_layernorm, self.eps)
-        out = self.mlp(h)
-        if pf is not None:
-            pf.join()
-        return out, residual
-
-    def prefetch_weights(self, tokens: int) -> list[torch.Tensor]:
-        """The weights this layer's start prefetches into L2 for a step of ``tokens`` tokens."""
-        pf, out = self.ops.prefetch, []
-        if pf.takes(tokens, "o_proj"):
-            out.append(self.self_attn.o_proj.weight)
-        shared = getattr(self.mlp, "shared_expert", None)
-        if shared is not None and pf.takes(tokens, "shared_gate_up"):
-            out.append(shared.gate_up_proj.weight)
-        if shared is not None and pf.takes(tokens, "shared_down"):
-            out.append(shared.down_proj.weight)
-        return out
+        return self.mlp(h), residual
 
     def entries(self, prefix: str) -> dict[str, Entry]:
         e = {f"{prefix}.input_layernorm.weight": Entry(self.input_layernorm),
@@ -396,9 +371,6 @@ class MoECausalLM(nn.Module):
         self.rope = ops.rope_cls(arch.head_dim, arch.rotary_dim, cache)
         self.layers = nn.ModuleList(DecoderLayer(ops, arch, i, self.rope, dtype, device)
                                     for i in range(arch.num_layers))
-        for layer, following in zip(self.layers, self.layers[1:]):
-            if isinstance(layer.mlp, SparseMoE):
-                layer.mlp.next_qkv = (following.self_attn.qkv_proj,)
         self.norm = empty_param((arch.hidden_size,), dtype, device)
         self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _vocab_param(
             self.vocab_rows, self.vocab_start, arch, dtype, device)

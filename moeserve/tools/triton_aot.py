@@ -277,8 +277,6 @@ def launch_every_kernel(plan, on_step=None) -> None:
                 on_step(tokens)
                 layer(torch.empty((tokens, plan.arch.hidden_size), dtype=plan.dtype, device=meta))
         on_step(None)
-        if fp["l2_prefetch"]:
-            launch_prefetch_kernels(plan)
         if fp["gemv_max_tokens"]:
             from moeserve.ops.linear_triton import TritonLinear, gemv
             lin = TritonLinear(meta, plan.dtype, max_tokens=fp["gemv_max_tokens"])
@@ -288,20 +286,6 @@ def launch_every_kernel(plan, on_step=None) -> None:
                         gemv(torch.empty((rows, k), dtype=plan.dtype, device=meta),
                              torch.empty((n, k), dtype=wdtype, device=meta),
                              torch.empty((n,), dtype=wdtype, device=meta) if bias else None)
-
-
-def launch_prefetch_kernels(plan) -> None:
-    """The L2 prefetch kernel (``moeserve.ops.l2_prefetch``) on ``meta`` tensors: whole weights of each dtype the
-    model's linears have, and the routed experts' rows by id."""
-    from moeserve.ops.l2_prefetch import launch_prefetch
-    c, meta = plan.config, torch.device("meta")
-    how = dict(evict_last=c.l2_prefetch_evict_last, method=c.l2_prefetch_method,
-               sink=torch.empty(1, dtype=torch.int32, device=meta))
-    for wdtype in sorted({s[3] for s in meta_linear_shapes(plan)}, key=str):
-        launch_prefetch(torch.empty((16, 16), dtype=wdtype, device=meta), None, **how)
-    if "expert_down" in c.l2_prefetch and plan.arch.num_experts:
-        w2 = meta_moe_layer(plan).w2
-        launch_prefetch(w2, torch.empty((1, plan.arch.top_k), dtype=torch.int32, device=meta), **how)
 
 
 def list_kernels(plan, capability: tuple[int, int], device_name: str, scratch: Path) -> list[dict]:

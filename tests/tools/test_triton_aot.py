@@ -297,32 +297,3 @@ def test_gpu_first_kernel_loads_find_the_launchers_built_ahead(tmp_path, monkeyp
     finally:
         triton_cache._state.clear()
         triton_cache._state.update(saved)
-
-
-def test_the_l2_prefetch_kernel_is_listed_and_compiles_for_sm90_with_each_method(tmp_path):
-    """``l2_prefetch`` on sm90: the plan prefetches steps of up to ``l2_prefetch_max_tokens`` tokens, the fingerprint
-    carries the targets, the policy and the method, and precompile lists the prefetch kernel for whole weights and
-    for experts' rows by id; each method compiles for the H200 (inline PTX the interpreter cannot run). Without
-    targets, below sm90 or with torch_compile there is no prefetch."""
-    import torch
-
-    from moeserve.ops.l2_prefetch import launch_prefetch
-    assert tiny_plan().l2_prefetch_max_tokens == 0 and tiny_plan().triton_fingerprint(H200[1])["l2_prefetch"] == []
-    on = tiny_plan(l2_prefetch=["o_proj", "expert_down"], l2_prefetch_max_tokens=4)
-    assert on.l2_prefetch_max_tokens == 4
-    fp = on.triton_fingerprint(H200[1])
-    assert (fp["l2_prefetch"], fp["l2_prefetch_evict_last"], fp["l2_prefetch_method"]) == (
-        ["expert_down", "o_proj"], True, "bulk")
-    assert plan_for_arch(make_config(model="tiny", dtype="bfloat16", l2_prefetch=["o_proj"]), "8.0") \
-        .l2_prefetch_max_tokens == 0
-    assert tiny_plan(l2_prefetch=["o_proj"], torch_compile=True).l2_prefetch_max_tokens == 0
-    listed = [k for k in triton_aot.list_kernels(on, *H200, tmp_path / "list") if k["name"] == "l2_prefetch_kernel"]
-    assert sorted(k["constants"]["BY_ID"] for k in listed) == ["False", "True"]
-    assert {k["constants"]["METHOD"] for k in listed} == {"bulk"}
-    meta = torch.device("meta")
-    for method in ("bulk", "lines", "loads"):
-        with triton_aot.compile_session(tmp_path / method, (9, 0), triton_aot.target_triton_key(None)[0]) as events:
-            w2 = torch.empty((8, 64, 32), dtype=torch.bfloat16, device=meta)
-            launch_prefetch(w2, None, True, method)
-            launch_prefetch(w2, torch.empty((2, 4), dtype=torch.int32, device=meta), False, method)
-        assert [e["name"] for e in events] == ["l2_prefetch_kernel"] * 2, method
