@@ -200,9 +200,6 @@ class EngineConfig(_Strict):
         True, description="FlashInfer attention on a GPU: the q/k norms, rotary embedding and KV-cache append of a "
         "layer in one Triton kernel from the QKV projection (false: the rope and norm backends and FlashInfer's "
         "append, three to seven launches)")
-    attention_decode_split_kv: bool = Field(
-        True, description="FlashInfer decode: let the plan split a sequence's KV over several thread blocks and "
-        "merge their partial results (false: one block per sequence and KV head, no merge kernel)")
     # vLLM's VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD
     shared_expert_stream_max_tokens: int = Field(
         256, ge=0, description="steps of at most this many tokens run the shared expert on a second CUDA stream, "

@@ -216,7 +216,6 @@ class ModelRunner:
         att = self.plan.backend_class("attention")(kv, self.num_heads, self.num_kv_heads, a.head_dim,
                                                    a.head_dim ** -0.5, self.device, self.dtype)
         att.fuse_qkv = att.fuse_qkv and self.plan.fused_qkv
-        att.decode_split_kv = self.cfg.attention_decode_split_kv
         return att
 
     def _num_kv_pages(self) -> int:

@@ -104,18 +104,3 @@ def test_shared_expert_on_a_side_stream_matches_one_stream(tmp_path):
     r = lockstep(two, one, prompts, MAX_TOKENS, follow="fast")
     assert r.graph_steps > 0
     assert r.worst > 0.99999 and r.agreement == 1.0
-
-
-def test_decode_without_split_kv_follows_decode_with_it(tmp_path):
-    """``attention_decode_split_kv: false`` (one thread block per sequence and KV head, no merge kernel) in the decode
-    CUDA graphs gives the logits of the split plan up to the order of the softmax sums (bf16 attention output)."""
-    make_checkpoint("qwen2_moe", tmp_path, seed=8, **GPU_QWEN2)
-    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
-    split = engine(tmp_path, {**fast, "moe": "triton"}, eager=False)
-    whole = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, attention_decode_split_kv=False)
-    assert split.runner.ops.attention.decode_split_kv and not whole.runner.ops.attention.decode_split_kv
-    g = torch.Generator().manual_seed(13)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    r = lockstep(whole, split, prompts, MAX_TOKENS, follow="fast")
-    assert r.graph_steps > 0
-    assert r.worst > 0.999 and r.agreement >= 0.95

@@ -62,7 +62,6 @@ class FlashInferAttention(AttentionBackend):
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
         self.graphs: dict[int, _GraphBuffers] = {}
-        self.decode_split_kv = True  # the plan may split a sequence's KV over blocks (then a merge kernel runs)
         self.inp: AttentionInputs | None = None
         self.wrapper = None
 
@@ -70,8 +69,7 @@ class FlashInferAttention(AttentionBackend):
     def _plan_decode(self, wrapper, inp: AttentionInputs) -> None:
         wrapper.plan(inp.kv_indptr_host, inp.kv_indices, inp.kv_last_page_len_host, self.num_heads,
                      self.num_kv_heads, self.head_dim, self.kv.page_size, q_data_type=self.dtype,
-                     kv_data_type=self.kv_dtype, sm_scale=self.scale, non_blocking=True,
-                     disable_split_kv=not self.decode_split_kv)
+                     kv_data_type=self.kv_dtype, sm_scale=self.scale, non_blocking=True)
 
     def begin(self, inp: AttentionInputs) -> None:
         self.inp = inp
