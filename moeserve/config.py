@@ -207,10 +207,6 @@ class EngineConfig(_Strict):
     moe_pairwise_max_tokens: int = Field(
         1, ge=0, description="Triton MoE: steps of at most this many tokens skip the expert alignment kernel and "
         "run one row tile per (token, expert) pair; 0 always aligns")
-    moe_single_kernel_max_tokens: int = Field(
-        0, ge=0, le=64, description="Triton MoE, 16-bit experts: steps of at most this many tokens that skip the "
-        "alignment (moe_pairwise_max_tokens) run each (token, expert) pair's gate/up projection, activation and down "
-        "projection in one kernel, over slices of the intermediate size added up in float32; 0 runs two GEMMs")
     router_split_k_max_tokens: int = Field(
         64, ge=0, le=64, description="fused (Triton) softmax/Llama-4 routing: steps of at most this many tokens run "
         "the router's GEMM as moeserve's split-K kernel, its partial sums added by the routing kernel (cuBLAS runs "

@@ -160,7 +160,6 @@ class ModelRunner:
             linear.max_tokens = self.cfg.linear_gemv_max_tokens
         if moe.name == "triton":
             moe.pairwise_max_tokens = self.cfg.moe_pairwise_max_tokens
-            moe.single_kernel_max_tokens = min(self.cfg.moe_single_kernel_max_tokens, moe.pairwise_max_tokens)
         routing = cls("routing")(dev, explicit=plan.explicit("routing"))
         if routing.name == "fused":
             routing.split_max_tokens = self.cfg.router_split_k_max_tokens

@@ -213,7 +213,6 @@ def meta_moe_layer(plan, device: torch.device | None = None):
     moe = TritonMoE(meta, dtype) if fp["moe"] else TorchMoE(meta, dtype)
     if fp["moe"]:
         moe.pairwise_max_tokens = fp["moe_pairwise_max_tokens"]
-        moe.single_kernel_max_tokens = fp["moe_single_kernel_max_tokens"]
     layer = SparseMoE(_meta_ops(plan, moe, meta), plan.arch, dtype, meta)
     if fp["fuse_shared_expert"]:
         layer.fuse_shared_expert()

@@ -79,15 +79,6 @@ INTERLEAVED_CASES = {
     "T33-B-fp16": (33, 8, 2, torch.float16, CFG_B, False, False),
     "T17-even-K-masked": (17, 4, 3, torch.float32, CFG_EVEN, False, True),
 }
-# one kernel per (token, expert) pair and intermediate slice, the down projections added into a float32
-# accumulator (I=40: the second 32-column slice is partial; H=72: K not a multiple of the tile). fp16: the
-# interpreter has no bf16 dot (the GPU test below runs bf16)
-# name: (T, E, k, H, I, dtype, persistent accumulator, shared expert)
-SINGLE_KERNEL_CASES = {
-    "T1-k4-acc-shared": (1, 8, 4, 72, 40, torch.float16, True, True),
-    "T1-k2": (1, 8, 2, 64, 32, torch.float16, False, False),
-    "T2-k2-acc": (2, 8, 2, 72, 40, torch.float16, True, False),
-}
 COMBINE_BF16_TOL = 1e-2  # relative, one bf16 rounding of a float32 sum (2**-8 = 3.9e-3 per element at most)
 
 
@@ -141,22 +132,6 @@ def _interpreter_worker(in_path: str, out_path: str) -> None:
     for name, (x, w13, w2, tw, ti, cfg, pairwise, masked) in inputs["interleaved"].items():
         out["interleaved"][name] = fused_moe(x, interleave_gate_up(w13), w2, tw, ti, config=cfg, interleaved=True,
                                              pairwise_max_tokens=x.shape[0] if pairwise else 0, masked_ids=masked)
-    from moeserve.ops.moe.combine import SharedExpertOutput
-    from moeserve.ops.moe.triton_kernels import invoke_fused_moe_pair_kernel
-    out["single"] = {}
-    for name, (x, w13, w2, tw, ti, use_acc, shared) in inputs["single"].items():
-        acc = torch.zeros((4, x.shape[1]), dtype=torch.float32) if use_acc else None
-        s_out = None if shared is None else SharedExpertOutput(shared[0], shared[1])
-        runs = [fused_moe(x, interleave_gate_up(w13), w2, tw, ti, interleaved=True, pairwise_max_tokens=x.shape[0],
-                          single_kernel_max_tokens=x.shape[0], acc=acc, shared=s_out) for _ in range(2)]
-        # the kernel alone: the routed experts' float32 sum
-        alone = torch.zeros((x.shape[0], x.shape[1]), dtype=torch.float32)
-        invoke_fused_moe_pair_kernel(x, interleave_gate_up(w13), w2, alone, tw.float(), ti)
-        out["single"][name] = (runs, None if acc is None else acc.clone(), alone)
-    down = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
-    kept = down.clone()
-    out["clear"] = (moe_combine_triton(down, 1, out=torch.empty(3, 40, dtype=torch.bfloat16), clear=True), down,
-                    kept)
     torch.save(out, out_path)
 
 
@@ -192,14 +167,8 @@ def interpreted(tmp_path_factory):
         if masked_ids:
             ti = ti.masked_fill(torch.rand(ti.shape, generator=gen) < 0.5, -1)
         interleaved[name] = (x, w13, w2, tw, ti, cfg, pw, masked_ids)
-    single = {}
-    for name, (T, E, k, H, I, dtype, use_acc, with_shared) in SINGLE_KERNEL_CASES.items():
-        x, w13, w2, tw, ti = random_moe_inputs(T, E, k, H, I, dtype, gen)
-        shared = (torch.randn(T, H, generator=gen).to(dtype), torch.randn(T, 1, generator=gen).to(dtype)) \
-            if with_shared else None
-        single[name] = (x, w13, w2, tw, ti, use_acc, shared)
     inputs = {"moe": moe, "align": align, "combine": combine, "masked": masked, "pairwise": pairwise,
-              "interleaved": interleaved, "single": single}
+              "interleaved": interleaved}
     return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("interp"), SEED)
 
 
@@ -259,33 +228,6 @@ def test_interleaved_gate_up_fused_moe_interpreter(interpreted, name):
     if masked_ids:
         tw, ti = tw * (ti >= 0), ti.clamp(min=0)
     assert_matches_reference(y, x, reference_moe(x, w13, w2, tw, ti))
-
-
-@pytest.mark.parametrize("name", list(SINGLE_KERNEL_CASES))
-def test_single_kernel_pairs_match_the_reference_interpreter(interpreted, name):
-    """``single_kernel_max_tokens``: each pair's gate/up, activation and down projection in one kernel over
-    intermediate slices, summed in float32 with atomics, then the combine (with the gated shared expert): the
-    same MoE; a persistent accumulator gives the same result on a second call and is left zero."""
-    inputs, outputs = interpreted
-    x, w13, w2, tw, ti, use_acc, shared = inputs["single"][name]
-    runs, acc, alone = outputs["single"][name]
-    ref = reference_moe(x, w13, w2, tw, ti)
-    err = float((alone.double() - ref).norm() / ref.norm())  # the kernel's float32 sum, before any rounding
-    assert err < FP16_REL_FRO, f"seed {SEED}: kernel alone, relative Frobenius error {err:.3g}"
-    if shared is not None:
-        ref = ref + torch.sigmoid(shared[1].double()) * shared[0].double()
-    for y in runs:
-        assert_matches_reference(y, x, ref)
-    assert torch.equal(runs[0], runs[1])
-    if use_acc:
-        assert acc.abs().max() == 0
-
-
-def test_combine_clears_what_it_read_interpreter(interpreted):
-    """``clear``: the combine leaves its input zero (the single-kernel MoE's accumulator, reused by every layer)."""
-    y, down, kept = interpreted[1]["clear"]
-    torch.testing.assert_close(y.float(), kept, rtol=1e-2, atol=1e-2)
-    assert down.abs().max() == 0
 
 
 def test_interleave_gate_up_layout_and_the_backend_lays_out_once():
@@ -481,53 +423,6 @@ def test_fused_moe_bf16_gpu(qwen_weights, shape, M, pairwise, interleaved):
         plain = fused_moe(x, w13, w2, tw, ti, pairwise_max_tokens=M if pairwise else 0)  # order of MMA sums
         err = float((y.float() - plain.float()).norm() / plain.float().norm())
         assert err < 1e-3, f"seed {SEED}: {err:.3g} from the unfused path"
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("M", [1, 2])
-@pytest.mark.parametrize("shape", list(QWEN_SHAPES))
-def test_single_kernel_pairs_bf16_gpu(qwen_weights, shape, M):
-    """The single-kernel pairwise MoE (``single_kernel_max_tokens``) at the Qwen shapes in bf16 against the float32
-    reference and the two-GEMM path (the same roundings of the activation; the down projections are summed in
-    float32 before one rounding, so it differs from the two-GEMM path by less than one bf16 rounding of the
-    output), eagerly and replayed in a CUDA graph on fresh inputs with the persistent accumulator, which every
-    call leaves zero."""
-    from moeserve.ops.moe.triton_kernels import fused_moe, interleave_gate_up
-    E, I, H, k = QWEN_SHAPES[shape]
-    w13, w2 = qwen_weights(shape)
-    w = interleave_gate_up(w13)
-    gen = torch.Generator(device="cuda").manual_seed(SEED + 7 * M)
-    acc = torch.zeros((M, H), dtype=torch.float32, device="cuda")
-    x = torch.randn(M, H, generator=gen, device="cuda").bfloat16()
-    tw, ti = random_routing(M, E, k, gen, "cuda", torch.int32)
-    run = lambda: fused_moe(x, w, w2, tw, ti, pairwise_max_tokens=M, interleaved=True,  # noqa: E731
-                            single_kernel_max_tokens=M, acc=acc)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_graph = run()
-    for i in range(3):
-        x.copy_(torch.randn(M, H, generator=gen, device="cuda"))
-        tw_new, ti_new = random_routing(M, E, k, gen, "cuda", torch.int32)
-        tw.copy_(tw_new)
-        ti.copy_(ti_new)
-        ref = reference_moe(x, w13, w2, tw, ti, dtype=torch.float32)
-        plain = fused_moe(x, w, w2, tw, ti, pairwise_max_tokens=M, interleaved=True)
-        for y in (run(), None):
-            if y is None:
-                graph.replay()
-                y = y_graph
-            torch.cuda.synchronize()
-            assert acc.abs().max().item() == 0
-            err = float((y.float() - ref).norm() / ref.norm())
-            assert y.dtype == torch.bfloat16 and err < BF16_REL_FRO, f"seed {SEED}: rel Frobenius error {err:.3g}"
-            err = float((y.float() - plain.float()).norm() / plain.float().norm())
-            assert err < 5e-3, f"seed {SEED}: {err:.3g} from the two-GEMM path"
 
 
 @gpu

@@ -297,31 +297,3 @@ def test_gpu_first_kernel_loads_find_the_launchers_built_ahead(tmp_path, monkeyp
     finally:
         triton_cache._state.clear()
         triton_cache._state.update(saved)
-
-
-def test_the_single_kernel_moe_is_listed_for_its_steps_and_compiles_for_sm90(tmp_path):
-    """``moe_single_kernel_max_tokens: 1``: one-token steps (pairwise) list the single-kernel MoE and the combine that
-    clears its accumulator, instead of the two expert GEMMs; the fingerprint says so, and the kernels compile for
-    the H200 at Qwen1.5-MoE's shapes."""
-    def plan(**kw):
-        return plan_for_arch(make_config(model="qwen1.5-moe-a2.7b", dtype="bfloat16", max_num_batched_tokens=2,
-                                         max_num_seqs=2, **kw), "9.0a")
-    off, on = plan(), plan(moe_single_kernel_max_tokens=1)
-    assert off.triton_fingerprint(H200[1])["moe_single_kernel_max_tokens"] == 0
-    assert on.triton_fingerprint(H200[1])["moe_single_kernel_max_tokens"] == 1
-    names = lambda ks: sorted(k["name"] for k in ks)  # noqa: E731
-    listed_off = triton_aot.list_kernels(off, *H200, tmp_path / "off")
-    listed_on = triton_aot.list_kernels(on, *H200, tmp_path / "on")
-    assert "fused_moe_pair_kernel" not in names(listed_off)
-    pair = [k for k in listed_on if k["name"] == "fused_moe_pair_kernel"]
-    assert len(pair) == 1 and pair[0]["constants"]["BLOCK_I"] == "32"
-    assert any(k["name"] == "moe_combine_kernel" and k["constants"].get("CLEAR") == "True" for k in listed_on)
-    assert len([k for k in listed_on if k["name"] == "fused_moe_kernel"]) < \
-        len([k for k in listed_off if k["name"] == "fused_moe_kernel"])  # the one-token GEMMs are gone
-    with triton_aot.tuned_tables_for(H200[1]), \
-            triton_aot.compile_session(tmp_path / "build", (9, 0), triton_aot.target_triton_key(None)[0]) as events:
-        import torch
-        with torch.no_grad(), pdl.enabled_as(on.pdl_max_tokens):
-            layer = triton_aot.meta_moe_layer(on)
-            layer(torch.empty((1, on.arch.hidden_size), dtype=on.dtype, device=torch.device("meta")))
-    assert "fused_moe_pair_kernel" in [e["name"] for e in events]

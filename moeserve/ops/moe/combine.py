@@ -60,16 +60,12 @@ def combine_reference(down: torch.Tensor, top_k: int, shared: SharedExpertOutput
 
 
 def moe_combine(down: torch.Tensor, top_k: int, shared: SharedExpertOutput | None = None,
-                out: torch.Tensor | None = None, clear: bool = False) -> torch.Tensor:
-    """``down`` ``[T * k, H]`` (the routed experts' weighted outputs, token-major) -> ``[T, H]``; ``clear``:
-    ``down`` is left zero (an accumulator reused by the next layer)."""
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``down`` ``[T * k, H]`` (the routed experts' weighted outputs, token-major) -> ``[T, H]``."""
     if down.device.type == "cpu":
-        result = combine_reference(down, top_k, shared, out)
-        if clear:
-            down.zero_()
-        return result
+        return combine_reference(down, top_k, shared, out)
     from moeserve.ops.moe.combine_triton import moe_combine_triton
     if shared is None:
-        return moe_combine_triton(down, top_k, out=out, clear=clear)
+        return moe_combine_triton(down, top_k, out=out)
     shared.join()
-    return moe_combine_triton(down, top_k, shared.out, shared.gate_logit, out, clear=clear)
+    return moe_combine_triton(down, top_k, shared.out, shared.gate_logit, out)

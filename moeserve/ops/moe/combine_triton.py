@@ -19,7 +19,7 @@ MAX_BLOCK = 1024
 @triton.jit
 def moe_combine_kernel(down_ptr, shared_ptr, gate_ptr, out_ptr, H, stride_down, stride_shared, stride_gate,
                        stride_out, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr = False, CLEAR: tl.constexpr = False):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     wait_prior(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -27,9 +27,6 @@ def moe_combine_kernel(down_ptr, shared_ptr, gate_ptr, out_ptr, H, stride_down, 
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(down_ptr + (t * TOP_K + j) * stride_down + cols, mask=mask, other=0.0).to(tl.float32)
-        if CLEAR:  # leave the rows zero for the next accumulation into them
-            tl.store(down_ptr + (t * TOP_K + j) * stride_down + cols, tl.zeros([BLOCK], dtype=tl.float32)
-                     .to(down_ptr.dtype.element_ty), mask=mask)
     if HAS_SHARED:
         s = tl.load(shared_ptr + t * stride_shared + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_GATE:
@@ -40,11 +37,9 @@ def moe_combine_kernel(down_ptr, shared_ptr, gate_ptr, out_ptr, H, stride_down, 
 
 
 def moe_combine_triton(down: torch.Tensor, top_k: int, shared: torch.Tensor | None = None,
-                       gate_logit: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                       clear: bool = False) -> torch.Tensor:
+                       gate_logit: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``down`` ``[T*k, H]`` -> ``[T, H]``; ``shared`` ``[T, H]`` is added (times ``sigmoid(gate_logit)``
-    ``[T, 1]`` when given). The caller makes sure ``shared`` is ready on the current stream. ``clear``: ``down``
-    is zeroed as it is read."""
+    ``[T, 1]`` when given). The caller makes sure ``shared`` is ready on the current stream."""
     rows, h = down.shape
     t = rows // top_k
     if out is None:
@@ -62,5 +57,5 @@ def moe_combine_triton(down: torch.Tensor, top_k: int, shared: torch.Tensor | No
                              down.stride(0), s_out.stride(0) if s_out is not None else 0,
                              g.stride(0) if g is not None else 0, out.stride(0), TOP_K=top_k,
                              HAS_SHARED=s_out is not None, HAS_GATE=g is not None, BLOCK=block, num_warps=4,
-                             **launch_kwargs(t), **({"CLEAR": True} if clear else {}))
+                             **launch_kwargs(t))
     return out

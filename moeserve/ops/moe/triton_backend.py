@@ -30,17 +30,12 @@ class TritonMoE(MoEBackend):
         self.dtype = dtype
         self.untuned: set[tuple] = set()
         self.pairwise_max_tokens = 0  # steps of at most this many tokens skip the alignment (bf16/fp16 experts)
-        # pairwise steps of at most this many tokens run each pair's expert in one kernel, summed into _acc
-        self.single_kernel_max_tokens = 0
-        self._acc: dict[int, torch.Tensor] = {}  # float32 [tokens, H] per hidden size: zero between layers
 
     def prepare(self, layer) -> None:
         if layer.w13_scale_inv is None and layer.w13_order == "gate_up":
             layer.w13.data = self._kernels.interleave_gate_up(layer.w13.data)
             layer.w13_order = "interleaved"
         e, two_i, h = layer.w13.shape
-        if self.single_kernel_max_tokens and layer.w13_order == "interleaved" and h not in self._acc:
-            self._acc[h] = torch.zeros((self.single_kernel_max_tokens, h), dtype=torch.float32, device=self.device)
         e -= layer.fused_shared  # a fused shared expert's pieces are not in the tuned tables' expert count
         fp8 = layer.w13_scale_inv is not None
         shape = (e, two_i // 2, h, fp8)
@@ -70,7 +65,5 @@ class TritonMoE(MoEBackend):
                                               x.dtype)[0] if x.shape[0] else None
         return self._kernels.fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, config=config, shared=shared,
                                        masked_ids=masked, pairwise_max_tokens=self.pairwise_max_tokens,
-                                       interleaved=layer.w13_order == "interleaved",
-                                       single_kernel_max_tokens=self.single_kernel_max_tokens,
-                                       acc=self._acc.get(x.shape[1]))
+                                       interleaved=layer.w13_order == "interleaved")
 

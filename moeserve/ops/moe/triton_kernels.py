@@ -21,8 +21,7 @@ from moeserve.ops.pdl_triton import let_next_start, wait_prior
 from .combine import SharedExpertOutput, moe_combine
 from .triton_configs import get_config
 
-__all__ = ["moe_align_block_size", "fused_moe", "fused_moe_warmup", "invoke_fused_moe_kernel",
-           "invoke_fused_moe_pair_kernel", "interleave_gate_up"]
+__all__ = ["moe_align_block_size", "fused_moe", "fused_moe_warmup", "invoke_fused_moe_kernel", "interleave_gate_up"]
 
 _META_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M")
 _ALIGN_SINGLE_CHUNK_LIMIT = 1024
@@ -246,89 +245,6 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
                    MUL_ROUTED_WEIGHT)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "top_k"])
-def fused_moe_pair_kernel(x_ptr, w13_ptr, w2_ptr, acc_ptr, topk_weights_ptr, topk_ids_ptr, num_pairs, top_k, H, I,
-                          stride_xm, stride_w13e, stride_w13n, stride_w2e, stride_w2h, stride_accm,
-                          BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                          EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
-    """One (token, expert) pair's whole SwiGLU expert for a slice of ``BLOCK_I`` intermediate columns:
-    ``acc[t, :] += w * w2[e][:, slice] @ (silu(gate) * up)[slice]`` with ``gate, up`` from ``x[t] @ w13[e]^T``.
-
-    ``w13`` holds interleaved gate/up rows (``interleave_gate_up``), so the slice's ``2 * BLOCK_I`` rows are
-    contiguous. Program ``pid`` takes pair ``pid // cdiv(I, BLOCK_I)`` of the flat routing and that slice; the
-    slices' and experts' down projections are added into ``acc`` (float32, ``[T, H]``, zero beforehand) with
-    atomics. The activation is rounded to ``x``'s dtype as the two-kernel path stores it."""
-    wait_prior(PDL, LET_NEXT=False)
-    slices = tl.cdiv(I, BLOCK_I)
-    pid = tl.program_id(0)
-    pair = pid // slices
-    s = pid % slices
-    rows = tl.arange(0, 16)
-    real = rows == 0  # tl.dot needs 16 rows: the pair's token is row 0
-    token = (pair // top_k).to(tl.int64)
-    e = tl.load(topk_ids_ptr + pair).to(tl.int64)
-    w = tl.load(topk_weights_ptr + pair).to(tl.float32)
-    # gate/up of the slice: interleaved rows [2 * s * BLOCK_I, 2 * (s + 1) * BLOCK_I)
-    offs_n = (2 * s * BLOCK_I + tl.arange(0, 2 * BLOCK_I)) % (2 * I)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + token * stride_xm + offs_k[None, :] + rows[:, None] * 0
-    b_ptrs = w13_ptr + e * stride_w13e + offs_n[None, :].to(tl.int64) * stride_w13n + offs_k[:, None]
-    acc = tl.zeros((16, 2 * BLOCK_I), dtype=tl.float32)
-    for k in range(0, tl.cdiv(H, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=real[:, None], other=0.0)
-            b = tl.load(b_ptrs)
-        else:
-            k_left = H - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=real[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, b, acc=acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    let_next_start(PDL)
-    gate, up = tl.split(tl.reshape(acc.to(x_ptr.dtype.element_ty).to(tl.float32), (16, BLOCK_I, 2)))
-    act = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)  # [16, BLOCK_I]
-    # down projection of the slice, BLOCK_H output columns at a time
-    offs_i = s * BLOCK_I + tl.arange(0, BLOCK_I)
-    i_mask = offs_i < I
-    act = tl.where(i_mask[None, :], act, 0.0).to(x_ptr.dtype.element_ty)
-    offs_h = tl.arange(0, BLOCK_H)
-    w2_ptrs = w2_ptr + e * stride_w2e + offs_h[None, :].to(tl.int64) * stride_w2h + offs_i[:, None]
-    out_ptrs = acc_ptr + token * stride_accm + offs_h[None, :] + rows[:, None] * 0
-    for h0 in range(0, H, BLOCK_H):
-        h_mask = offs_h < H - h0
-        b2 = tl.load(w2_ptrs, mask=i_mask[:, None] & h_mask[None, :], other=0.0)  # [BLOCK_I, BLOCK_H]
-        part = tl.dot(act, b2) * w
-        tl.atomic_add(out_ptrs, part, mask=real[:, None] & h_mask[None, :], sem="relaxed")
-        w2_ptrs += BLOCK_H * stride_w2h
-        out_ptrs += BLOCK_H
-
-
-PAIR_TILE = {"BLOCK_I": 32, "BLOCK_K": 128, "BLOCK_H": 128, "num_warps": 4, "num_stages": 4}
-
-
-def invoke_fused_moe_pair_kernel(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, acc: torch.Tensor,
-                                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, tokens: int | None = None,
-                                 tile: dict | None = None, warmup: bool = False):
-    """Launch :func:`fused_moe_pair_kernel` over the flat routing (``topk_weights`` fp32 and ``topk_ids``
-    ``[T, k]``): ``acc`` ``[T, H]`` float32, zero on entry, receives the routed experts' weighted sum.
-    ``w13`` interleaved, ``[E, 2I, H]``; ``w2`` ``[E, H, I]``."""
-    t, top_k = topk_ids.shape
-    e, two_i, h = w13.shape
-    inter = two_i // 2
-    tile = dict(PAIR_TILE if tile is None else tile)
-    opts = {"num_warps": tile.pop("num_warps"), "num_stages": tile.pop("num_stages")}
-    if w2.stride(2) != 1 or w13.stride(2) != 1 or x.stride(1) != 1 or acc.stride(1) != 1:
-        raise ValueError("fused_moe_pair: x, w13, w2 and acc need contiguous last dimensions")
-    grid = (t * top_k * triton.cdiv(inter, tile["BLOCK_I"]),)
-    args = (x, w13, w2, acc, topk_weights.reshape(-1), topk_ids.reshape(-1), t * top_k, top_k, h, inter,
-            x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1), acc.stride(0))
-    kwargs = dict(tile, EVEN_K=h % tile["BLOCK_K"] == 0, **opts, **launch_kwargs(t if tokens is None else tokens))
-    if warmup:
-        return fused_moe_pair_kernel.warmup(*args, grid=grid, **kwargs)
-    return fused_moe_pair_kernel[grid](*args, **kwargs)
-
-
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """``out[r, :] = silu(x[r, :I]) * x[r, I:2I]``, computed in fp32."""
@@ -434,8 +350,7 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids):
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: dict | None = None, out: torch.Tensor | None = None,
               shared: SharedExpertOutput | None = None, masked_ids: bool = False,
-              pairwise_max_tokens: int = 0, interleaved: bool = False, single_kernel_max_tokens: int = 0,
-              acc: torch.Tensor | None = None) -> torch.Tensor:
+              pairwise_max_tokens: int = 0, interleaved: bool = False) -> torch.Tensor:
     """Mixture-of-experts SwiGLU MLP: ``sum_j w[t,j] * w2[e] @ (silu(gate_e x_t) * up_e x_t)``, ``e = ids[t,j]``.
 
     ``x`` ``[T, H]``; ``w13`` ``[E, 2I, H]`` (gate rows ``[0, I)``, up rows ``[I, 2I)``); ``w2`` ``[E, H, I]``;
@@ -447,9 +362,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     each (token, expert) pair is its own row tile, one launch fewer per layer for the price of reading an
     expert once per pair that picks it rather than once per step. ``interleaved``: ``w13``'s rows are
     interleaved gate/up pairs (:func:`interleave_gate_up`) and the first GEMM writes the activation itself.
-    Pairwise steps of at most ``single_kernel_max_tokens`` tokens with interleaved 16-bit experts run each pair's
-    gate/up, activation and down projection in one kernel (:func:`fused_moe_pair_kernel`), the down projections
-    added in float32 into ``acc`` (``[>= T, H]``, zero on entry, left zero by the combine; None: a fresh one).
     """
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
     t, h = x.shape
@@ -476,10 +388,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, block_m, e)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
 
-    if pairwise and interleaved and t <= single_kernel_max_tokens and x.dtype != torch.float32:
-        buf = acc[:t] if acc is not None else torch.zeros((t, h), dtype=torch.float32, device=x.device)
-        invoke_fused_moe_pair_kernel(x, w13, w2, buf, weights, topk_ids, tokens=t)
-        return moe_combine(buf, 1, shared, out, clear=acc is not None)
     if interleaved:
         act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
         invoke_fused_moe_kernel(x, w13, act, None, sorted_ids, expert_ids, ntpp, top_k, config, max_rows,
