@@ -223,9 +223,6 @@ class EngineConfig(_Strict):
     linear_gemv_max_tokens: int = Field(
         8, ge=0, le=16, description="with backends.linear: triton, steps of at most this many tokens run moeserve's "
         "Triton GEMV instead of cuBLAS; 0 always runs cuBLAS")
-    linear_gemv_max_n: int = Field(
-        0, ge=0, description="with backends.linear: triton, only weights of at most this many output features run "
-        "the GEMV (cuBLAS covers few SMs with their tiles); 0: any")
     generation_config: str = Field(
         "auto", description="request defaults (temperature, top_p, top_k, min_p): auto reads the model "
         "directory's generation_config.json, vllm uses none, a directory reads that one's")

@@ -105,7 +105,7 @@ class RuntimePlan:
         qkv = self.fused_qkv
         return {"kernels": moe or routing or gemv > 0 or qkv, "moe": moe,
                 "routing": m.routing.method if routing else None, "fused_qkv": qkv,
-                "gemv_max_tokens": gemv, "gemv_max_n": self.config.linear_gemv_max_n if gemv else 0, "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
+                "gemv_max_tokens": gemv, "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
                 "fuse_shared_expert": self.config.moe_fuse_shared_expert,
                 "router_split_k_max_tokens": self.config.router_split_k_max_tokens if routing else 0,
                 "pdl_max_tokens": min(self.pdl_max_tokens, self.max_step_tokens),

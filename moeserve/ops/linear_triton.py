@@ -94,21 +94,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 class TritonLinear(LinearBackend):
-    """Steps of at most ``max_tokens`` rows (bf16/fp16 weights of at most ``max_n`` rows, 0: any): :func:`gemv`;
-    larger steps and weights: ``F.linear``."""
+    """Steps of at most ``max_tokens`` rows (bf16/fp16 weights): :func:`gemv`; larger steps: ``F.linear``."""
 
     name = "triton"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, max_tokens: int = 8, max_n: int = 0):
+    def __init__(self, device: torch.device, dtype: torch.dtype, max_tokens: int = 8):
         super().__init__(device, dtype)
         self.max_tokens = min(max_tokens, GEMV_MAX_ROWS)
-        self.max_n = max_n  # only weights of at most this many rows (0: any)
 
     def takes_shape(self, rows: int, n: int, dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
         """Whether a step of ``rows`` rows times an ``[n, *]`` weight runs the GEMV (also what ``moeserve
         precompile`` builds)."""
-        return (0 < rows <= self.max_tokens and GEMV_MIN_N <= n and (not self.max_n or n <= self.max_n)
-                and dtype in (torch.bfloat16, torch.float16) and weight_dtype == dtype)
+        return (0 < rows <= self.max_tokens and n >= GEMV_MIN_N and dtype in (torch.bfloat16, torch.float16)
+                and weight_dtype == dtype)
 
     def takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0

@@ -279,7 +279,7 @@ def launch_every_kernel(plan, on_step=None) -> None:
         on_step(None)
         if fp["gemv_max_tokens"]:
             from moeserve.ops.linear_triton import TritonLinear, gemv
-            lin = TritonLinear(meta, plan.dtype, max_tokens=fp["gemv_max_tokens"], max_n=fp["gemv_max_n"])
+            lin = TritonLinear(meta, plan.dtype, max_tokens=fp["gemv_max_tokens"])
             for n, k, bias, wdtype in meta_linear_shapes(plan):
                 for rows in range(1, lin.max_tokens + 1):
                     if lin.takes_shape(rows, n, plan.dtype, wdtype):

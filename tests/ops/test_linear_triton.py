@@ -79,30 +79,6 @@ def test_backend_takes_only_small_half_precision_cuda_steps():
     assert torch.equal(lin.linear(x, w, b), F.linear(x, w, b))
 
 
-def test_max_n_leaves_wide_weights_to_cublas():
-    """``linear_gemv_max_n``: the GEMV takes weights of at most that many rows (and at least GEMV_MIN_N), 0 any;
-    precompile lists exactly what it takes (Qwen1.5-MoE: o_proj and the shared expert's down projection)."""
-    from moeserve.config import make_config
-    from moeserve.ops.linear_triton import GEMV_MIN_N, TritonLinear
-    from moeserve.tools import triton_aot
-    from moeserve.tools.modules import plan_for_arch
-    bf = torch.bfloat16
-    lin = TritonLinear(torch.device("cpu"), bf, max_tokens=8, max_n=2048)
-    assert lin.takes_shape(1, 2048, bf, bf) and not lin.takes_shape(1, 2049, bf, bf)
-    assert not lin.takes_shape(1, GEMV_MIN_N - 1, bf, bf) and not lin.takes_shape(9, 2048, bf, bf)
-    assert TritonLinear(torch.device("cpu"), bf, max_tokens=8).takes_shape(1, 11264, bf, bf)
-
-    def shapes(**kw):
-        plan = plan_for_arch(make_config(model="qwen1.5-moe-a2.7b", dtype="bfloat16", max_num_batched_tokens=2,
-                                         max_num_seqs=2, backends={"linear": "triton"}, **kw), "9.0a")
-        assert plan.triton_fingerprint("NVIDIA_H200")["gemv_max_n"] == kw.get("linear_gemv_max_n", 0)
-        t = TritonLinear(torch.device("meta"), bf, max_tokens=1, max_n=kw.get("linear_gemv_max_n", 0))
-        return sorted(n for n, _, _, d in triton_aot.meta_linear_shapes(plan) if t.takes_shape(1, n, bf, d))
-
-    assert shapes() == [2048, 2048, 6144, 11264]
-    assert shapes(linear_gemv_max_n=2048) == [2048, 2048]
-
-
 # ---------------------------------------------------------------- GPU
 
 gpu = pytest.mark.gpu
