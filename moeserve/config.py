@@ -204,6 +204,10 @@ class EngineConfig(_Strict):
     shared_expert_stream_max_tokens: int = Field(
         256, ge=0, description="steps of at most this many tokens run the shared expert on a second CUDA stream, "
         "beside routing and the routed experts; 0 runs it in line")
+    shared_expert_stream_priority: Literal["equal", "shared", "routed"] = Field(
+        "equal", description="with the shared expert on its own stream: which path's kernels the GPU schedules first "
+        "in the decode CUDA graphs (shared: the shared expert's stream has the higher priority; routed: the main "
+        "stream's, the routing and routed experts)")
     moe_pairwise_max_tokens: int = Field(
         1, ge=0, description="Triton MoE: steps of at most this many tokens skip the expert alignment kernel and "
         "run one row tile per (token, expert) pair; 0 always aligns")

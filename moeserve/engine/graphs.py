@@ -25,6 +25,10 @@ class DecodeGraphs:
         self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
+        # kernel nodes keep the priority of the stream they were captured on (torch instantiates graphs with
+        # cudaGraphInstantiateFlagUseNodePriority): the main path's, above the shared expert's stream, if asked
+        routed_first = getattr(runner.cfg, "shared_expert_stream_priority", "equal") == "routed"
+        self.capture_stream = torch.cuda.Stream(runner.device, priority=-1) if routed_first else None
 
     def bucket(self, batch_size: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, batch_size)]
@@ -53,7 +57,7 @@ class DecodeGraphs:
                 model.compute_logits(model(ids, pos))  # warm-up: loads kernels outside the capture
                 torch.cuda.synchronize(r.device)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
+                with torch.cuda.graph(g, pool=self.pool, stream=self.capture_stream):
                     logits = model.compute_logits(model(ids, pos))
                 if self.pool is None:
                     self.pool = g.pool()
