@@ -104,3 +104,24 @@ def test_shared_expert_on_a_side_stream_matches_one_stream(tmp_path):
     r = lockstep(two, one, prompts, MAX_TOKENS, follow="fast")
     assert r.graph_steps > 0
     assert r.worst > 0.99999 and r.agreement == 1.0
+
+
+@pytest.mark.parametrize("first", ["shared", "routed"])
+def test_stream_priorities_leave_the_logits_alone(tmp_path, first):
+    """``shared_expert_stream_priority``: the shared expert's stream or the main stream captured at the higher
+    priority changes only the order in which the GPU schedules the two paths' thread blocks, not what they compute:
+    the logits of the equal-priority engine, bit for bit up to the cosine a float rounding allows."""
+    make_checkpoint("qwen2_moe", tmp_path, seed=9, **GPU_QWEN2)
+    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
+    ordered = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, shared_expert_stream_priority=first)
+    equal = engine(tmp_path, {**fast, "moe": "triton"}, eager=False)
+    side, base = ordered.runner.ops.side_stream.priority, equal.runner.ops.side_stream.priority
+    assert (side < base) == (first == "shared")  # a lower number is a higher priority
+    assert (ordered.runner.graphs.capture_stream is not None) == (first == "routed")
+    if first == "routed":
+        assert ordered.runner.graphs.capture_stream.priority < base
+    g = torch.Generator().manual_seed(14)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    r = lockstep(ordered, equal, prompts, MAX_TOKENS, follow="fast")
+    assert r.graph_steps > 0
+    assert r.worst > 0.99999 and r.agreement == 1.0
