@@ -27,7 +27,7 @@ class DecodeGraphs:
         self.pool = None
         # kernel nodes keep the priority of the stream they were captured on (torch instantiates graphs with
         # cudaGraphInstantiateFlagUseNodePriority): the main path's, above the shared expert's stream, if asked
-        routed_first = getattr(runner.cfg, "shared_expert_stream_priority", "equal") == "routed"
+        routed_first = runner.cfg.shared_expert_stream_priority == "routed"
         self.capture_stream = torch.cuda.Stream(runner.device, priority=-1) if routed_first else None
 
     def bucket(self, batch_size: int) -> int:
