@@ -206,8 +206,11 @@ class EngineConfig(_Strict):
         "beside routing and the routed experts; 0 runs it in line")
     shared_expert_stream_priority: Literal["equal", "shared", "routed"] = Field(
         "equal", description="with the shared expert on its own stream: which path's kernels the GPU schedules first "
-        "in the decode CUDA graphs (shared: the shared expert's stream has the higher priority; routed: the main "
-        "stream's, the routing and routed experts)")
+        "in the decode CUDA graphs of at most shared_expert_stream_priority_max_tokens tokens (shared: the shared "
+        "expert's stream has the higher priority; routed: the main stream's, the routing and routed experts)")
+    shared_expert_stream_priority_max_tokens: int = Field(
+        1024, ge=0, description="decode CUDA graphs of at most this many tokens are captured with "
+        "shared_expert_stream_priority; larger ones, and steps outside the graphs, give both streams one priority")
     moe_pairwise_max_tokens: int = Field(
         1, ge=0, description="Triton MoE: steps of at most this many tokens skip the expert alignment kernel and "
         "run one row tile per (token, expert) pair; 0 always aligns")

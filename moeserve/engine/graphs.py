@@ -15,6 +15,8 @@ from moeserve.engine.batch import StepBatch
 
 log = logging.getLogger("moeserve")
 
+HIGH_PRIORITY = -1  # CUDA stream priorities: lower is higher; torch streams default to 0, -1 is the highest
+
 
 class DecodeGraphs:
     def __init__(self, runner, sizes: list[int]):
@@ -25,10 +27,16 @@ class DecodeGraphs:
         self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
-        # kernel nodes keep the priority of the stream they were captured on (torch instantiates graphs with
-        # cudaGraphInstantiateFlagUseNodePriority): the main path's, above the shared expert's stream, if asked
-        routed_first = runner.cfg.shared_expert_stream_priority == "routed"
-        self.capture_stream = torch.cuda.Stream(runner.device, priority=-1) if routed_first else None
+        # Kernel nodes keep the priority of the stream they were captured on (torch instantiates graphs with
+        # cudaGraphInstantiateFlagUseNodePriority). shared_expert_stream_priority puts one of the two paths on a
+        # high-priority stream while the graphs of up to shared_expert_stream_priority_max_tokens are captured:
+        # "routed" captures on it, "shared" forks the shared expert onto it. first[bs]: the path each graph favours.
+        cfg = runner.cfg
+        self.priority = cfg.shared_expert_stream_priority if runner.ops.side_stream is not None else "equal"
+        self.priority_max_tokens = cfg.shared_expert_stream_priority_max_tokens
+        self.high_priority_stream = (torch.cuda.Stream(runner.device, priority=HIGH_PRIORITY)
+                                     if self.priority != "equal" else None)
+        self.first: dict[int, str] = {}
 
     def bucket(self, batch_size: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, batch_size)]
@@ -57,8 +65,17 @@ class DecodeGraphs:
                 model.compute_logits(model(ids, pos))  # warm-up: loads kernels outside the capture
                 torch.cuda.synchronize(r.device)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool, stream=self.capture_stream):
-                    logits = model.compute_logits(model(ids, pos))
+                first = self.priority if bs <= self.priority_max_tokens else "equal"
+                side = r.ops.side_stream
+                if first == "shared":
+                    r.ops.side_stream = self.high_priority_stream
+                try:
+                    with torch.cuda.graph(g, pool=self.pool,
+                                          stream=self.high_priority_stream if first == "routed" else None):
+                        logits = model.compute_logits(model(ids, pos))
+                finally:
+                    r.ops.side_stream = side
+                self.first[bs] = first
                 if self.pool is None:
                     self.pool = g.pool()
                 self.graphs[bs], self.inputs[bs], self.outputs[bs] = g, (ids, pos), logits

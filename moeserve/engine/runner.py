@@ -166,8 +166,7 @@ class ModelRunner:
         return Ops(linear=linear, norm=cls("norm")(), activation=cls("activation")(),
                    moe=moe, routing=routing,
                    rope_cls=cls("rope"), names=self.backend_names, quantization=self.quantization,
-                   side_stream=torch.cuda.Stream(
-                       dev, priority=-1 if self.cfg.shared_expert_stream_priority == "shared" else 0) if side else None,
+                   side_stream=torch.cuda.Stream(dev) if side else None,
                    side_stream_max_tokens=self.cfg.shared_expert_stream_max_tokens, parallel=self.parallel)
 
     def _load_model(self) -> tuple[MoECausalLM, str, list[str]]:

@@ -110,18 +110,37 @@ def test_shared_expert_on_a_side_stream_matches_one_stream(tmp_path):
 def test_stream_priorities_leave_the_logits_alone(tmp_path, first):
     """``shared_expert_stream_priority``: the shared expert's stream or the main stream captured at the higher
     priority changes only the order in which the GPU schedules the two paths' thread blocks, not what they compute:
-    the logits of the equal-priority engine (worst cosine > 0.99999, every greedy token the same)."""
+    the logits of the equal-priority engine (worst cosine > 0.99999, every greedy token the same). Graphs above
+    ``shared_expert_stream_priority_max_tokens`` are captured with equal priorities."""
     make_checkpoint("qwen2_moe", tmp_path, seed=9, **GPU_QWEN2)
     fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
-    ordered = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, shared_expert_stream_priority=first)
+    ordered = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, shared_expert_stream_priority=first,
+                     shared_expert_stream_priority_max_tokens=8)
     equal = engine(tmp_path, {**fast, "moe": "triton"}, eager=False)
-    side, base = ordered.runner.ops.side_stream.priority, equal.runner.ops.side_stream.priority
-    assert (side < base) == (first == "shared")  # a lower number is a higher priority
-    assert (ordered.runner.graphs.capture_stream is not None) == (first == "routed")
-    if first == "routed":
-        assert ordered.runner.graphs.capture_stream.priority < base
+    graphs = ordered.runner.graphs
+    assert graphs.first == {1: first, 2: first, 4: first, 8: first}
+    assert equal.runner.graphs.first == {1: "equal", 2: "equal", 4: "equal", 8: "equal"}
+    # a lower number is a higher priority; the side stream outside the graphs keeps the default one
+    assert graphs.high_priority_stream.priority < ordered.runner.ops.side_stream.priority
+    assert ordered.runner.ops.side_stream.priority == equal.runner.ops.side_stream.priority
     g = torch.Generator().manual_seed(14)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
     r = lockstep(ordered, equal, prompts, MAX_TOKENS, follow="fast")
     assert r.graph_steps > 0
     assert r.worst > 0.99999 and r.agreement == 1.0
+    # one prompt at a time: the one-token graph
+    r = lockstep(ordered, equal, prompts[:1], MAX_TOKENS, follow="fast")
+    assert r.graph_steps > 0
+    assert r.worst > 0.99999 and r.agreement == 1.0
+
+
+def test_stream_priority_only_up_to_its_bound(tmp_path):
+    """Only the graphs of at most ``shared_expert_stream_priority_max_tokens`` tokens favour a path."""
+    make_checkpoint("qwen2_moe", tmp_path, seed=9, **GPU_QWEN2)
+    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
+    e = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, shared_expert_stream_priority="routed",
+               shared_expert_stream_priority_max_tokens=2)
+    assert e.runner.graphs.first == {1: "routed", 2: "routed", 4: "equal", 8: "equal"}
+    one = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, shared_expert_stream_priority="routed",
+                 shared_expert_stream_max_tokens=0)
+    assert one.runner.graphs.first == {1: "equal", 2: "equal", 4: "equal", 8: "equal"}  # no second stream
