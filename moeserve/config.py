@@ -227,6 +227,9 @@ class EngineConfig(_Strict):
         False, description="run the shared expert inside the fused MoE as always-chosen experts (its intermediate "
         "rows cut into moe_intermediate_size pieces, weighted by its gate): no separate shared-expert GEMMs or "
         "side stream; one GPU, unquantised weights")
+    moe_fuse_norm: bool = Field(
+        False, description="Triton MoE on unquantised experts, one GPU: the MoE combine also adds the block's output "
+        "to the residual and applies the next layer's input norm (or the final norm), one launch per layer fewer")
     linear_gemv_max_tokens: int = Field(
         8, ge=0, le=16, description="with backends.linear: triton, steps of at most this many tokens run moeserve's "
         "Triton GEMV instead of cuBLAS; 0 always runs cuBLAS")

@@ -84,6 +84,13 @@ class RuntimePlan:
                 and names.get("rope") == "flashinfer" and self.kv_dtype == self.dtype)
 
     @property
+    def moe_fuse_norm(self) -> bool:
+        """Whether the MoE combine applies the next norm (``moe_fuse_norm``; where the MoE backend can,
+        ``MoEBackend.fuses_norm``): unquantised experts of one rank, not under torch.compile."""
+        return (self.config.moe_fuse_norm and self.quantization == "none" and not self.parallel.is_parallel
+                and not self.config.torch_compile)
+
+    @property
     def pdl_max_tokens(self) -> int:
         """Steps of at most this many tokens launch moeserve's Triton kernels with programmatic dependent launch
         (``moeserve.ops.pdl``): ``pdl_max_tokens`` on a GPU of compute capability 9.0 or later, else 0."""
@@ -107,6 +114,7 @@ class RuntimePlan:
                 "routing": m.routing.method if routing else None, "fused_qkv": qkv,
                 "gemv_max_tokens": gemv, "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
                 "fuse_shared_expert": self.config.moe_fuse_shared_expert,
+                "fuse_norm": moe and self.moe_fuse_norm,
                 "router_split_k_max_tokens": self.config.router_split_k_max_tokens if routing else 0,
                 "pdl_max_tokens": min(self.pdl_max_tokens, self.max_step_tokens),
                 "renormalize": m.routing.renormalize, "hidden_size": m.hidden_size, "num_experts": m.num_experts,

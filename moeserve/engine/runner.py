@@ -167,7 +167,8 @@ class ModelRunner:
                    moe=moe, routing=routing,
                    rope_cls=cls("rope"), names=self.backend_names, quantization=self.quantization,
                    side_stream=torch.cuda.Stream(dev) if side else None,
-                   side_stream_max_tokens=self.cfg.shared_expert_stream_max_tokens, parallel=self.parallel)
+                   side_stream_max_tokens=self.cfg.shared_expert_stream_max_tokens, parallel=self.parallel,
+                   moe_fuse_norm=plan.moe_fuse_norm)
 
     def _load_model(self) -> tuple[MoECausalLM, str, list[str]]:
         """The model with its weights in place and every MoE layer prepared by the routing and MoE backends;
@@ -305,15 +306,20 @@ class ModelRunner:
             return
         from moeserve.kernel_cache.triton_cache import warm_step_sizes
         from moeserve.models.layers import SparseMoE
+        from moeserve.ops.moe.combine import AddNorm
         t0 = time.perf_counter()
         sizes = warm_step_sizes()
         moe = next((layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)), None)
         if moe is not None and self.backend_names["moe"] == "triton":
             if sizes is None:
                 sizes = tuned_config_sizes(self.arch, self.dtype, self.plan.max_step_tokens)
+            h = self.arch.hidden_size
             for t in sizes:
                 if t <= self.plan.max_step_tokens:
-                    moe(torch.zeros((t, self.arch.hidden_size), dtype=self.dtype, device=self.device))
+                    x = torch.zeros((t, h), dtype=self.dtype, device=self.device)
+                    # as the model runs it: with moe_fuse_norm, the combine that applies the next norm
+                    moe(x, AddNorm(torch.zeros_like(x), torch.ones(h, dtype=self.dtype, device=self.device),
+                                   self.arch.rms_norm_eps) if moe.takes_norm() else None)
         n = min(self.cfg.max_num_batched_tokens, self.max_model_len)
         need = -(-n // self.page_size)
         if need < self.kv.num_pages:

@@ -31,6 +31,9 @@ class Ops:
     # of at most ``side_stream_max_tokens`` tokens (vLLM's shared-experts stream); None: one stream.
     side_stream: torch.cuda.Stream | None = None
     side_stream_max_tokens: int = 0
+    # The MoE combine adds the block's output to the residual and applies the next norm (``moe_fuse_norm``)
+    # where the MoE backend can (``MoEBackend.fuses_norm``).
+    moe_fuse_norm: bool = False
     parallel: Parallel = field(default_factory=Parallel)  # this rank's place among the GPUs (one rank: no split)
 
 

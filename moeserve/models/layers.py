@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from moeserve.models.arch import ArchConfig
 from moeserve.models.base import Entry, Linear, Ops, empty_param, is_fp8_ops, tp_shard
 from moeserve.models.parallel import MoEParallel, Shard, local_experts, local_heads, padded_vocab
-from moeserve.ops.moe.combine import SharedExpertOutput
+from moeserve.ops.moe.combine import AddNorm, SharedExpertOutput
 from moeserve.ops.moe.routing import append_shared, select_experts
 from moeserve.ops.moe.routing_config import RouterPartials
 from moeserve.quant.fp8 import FP8_DTYPE, block_scale_shape
@@ -239,7 +239,16 @@ class SparseMoE(nn.Module):
         self.fused_shared = pieces
         return pieces
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_norm(self) -> bool:
+        """Whether ``forward(x, add_norm)`` folds the residual add and the next norm into the combine
+        (``moe_fuse_norm``): a MoE backend that can (the Triton MoE, the torch reference), high-precision experts,
+        one rank."""
+        return (self.ops.moe_fuse_norm and self.ops.moe.fuses_norm and self.moe_parallel is None
+                and self.w13_scale_inv is None)
+
+    def forward(self, x: torch.Tensor, add_norm: AddNorm | None = None) -> torch.Tensor:
+        """The block's output for the tokens ``x``; with ``add_norm`` (only where ``takes_norm``), the norm of
+        the residual it was added to."""
         shared = None
         stream = self.ops.side_stream
         # Routing (the router's GEMM and the top-k) first, alone: launched beside the shared expert's GEMMs, whose
@@ -257,6 +266,8 @@ class SparseMoE(nn.Module):
             shared.gate_logit = gate_logit  # the router's GEMM computed the gate on this stream
         if self.moe_parallel is not None:  # dispatch to the ranks' experts, combine their partial sums
             return self.moe_parallel(self.run_experts, x, weights, ids, shared)
+        if add_norm is not None:
+            return self.ops.moe.experts(x, weights, ids, self, shared=shared, add_norm=add_norm)
         return self.run_experts(x, weights, ids, shared)
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -325,16 +336,24 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(ops, arch.hidden_size, arch.dense_intermediate_size, dtype, device)
 
-    def forward(self, positions, hidden, residual):
+    def forward(self, positions, hidden, residual, normed: bool = False, next_norm: torch.Tensor | None = None):
+        """``(output, residual, normed)``. ``normed``: ``hidden`` is already this layer's input norm (the layer
+        before folded it into its MoE combine, ``residual`` updated). ``next_norm``: the weight of the norm that
+        follows this layer; where the MoE block takes it (``SparseMoE.takes_norm``), the output is that norm of
+        the new residual and ``normed`` comes back True."""
         norm = self.ops.norm
-        if residual is None:
+        if normed:
+            h = hidden
+        elif residual is None:
             residual = hidden
             h = norm.rmsnorm(hidden, self.input_layernorm, self.eps)
         else:
             h, residual = norm.add_rmsnorm(hidden, residual, self.input_layernorm, self.eps)
         h = self.self_attn(positions, h)
         h, residual = norm.add_rmsnorm(h, residual, self.post_attention_layernorm, self.eps)
-        return self.mlp(h), residual
+        if next_norm is not None and isinstance(self.mlp, SparseMoE) and self.mlp.takes_norm():
+            return self.mlp(h, AddNorm(residual, next_norm, self.eps)), residual, True
+        return self.mlp(h), residual, False
 
     def entries(self, prefix: str) -> dict[str, Entry]:
         e = {f"{prefix}.input_layernorm.weight": Entry(self.input_layernorm),
@@ -386,9 +405,13 @@ class MoECausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        residual, normed = None, False
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            next_norm = self.norm if i == last else self.layers[i + 1].input_layernorm
+            hidden, residual, normed = layer(positions, hidden, residual, normed, next_norm)
+        if normed:  # the last MoE combine applied the final norm
+            return hidden
         hidden, _ = self.ops.norm.add_rmsnorm(hidden, residual, self.norm, self.arch.rms_norm_eps)
         return hidden
 

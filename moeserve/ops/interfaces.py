@@ -48,6 +48,8 @@ class MoEBackend(ABC):
 
     name: ClassVar[str]
     serves_fp8: ClassVar[bool] = False  # runs block-FP8 experts itself (else the torch FP8 reference does)
+    # experts(..., add_norm=AddNorm) adds its output to the residual and returns the next norm (moe_fuse_norm)
+    fuses_norm: ClassVar[bool] = False
     # Takes global expert ids and the layer's ``expert_ep`` (size, rank) itself; else, with experts split
     # across ranks, ``experts`` gets local ids, -1 for experts of other ranks, which must count as zero.
     maps_expert_ids: ClassVar[bool] = False

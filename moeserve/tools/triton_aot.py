@@ -213,7 +213,9 @@ def meta_moe_layer(plan, device: torch.device | None = None):
     moe = TritonMoE(meta, dtype) if fp["moe"] else TorchMoE(meta, dtype)
     if fp["moe"]:
         moe.pairwise_max_tokens = fp["moe_pairwise_max_tokens"]
-    layer = SparseMoE(_meta_ops(plan, moe, meta), plan.arch, dtype, meta)
+    ops = _meta_ops(plan, moe, meta)
+    ops.moe_fuse_norm = fp["fuse_norm"]
+    layer = SparseMoE(ops, plan.arch, dtype, meta)
     if fp["fuse_shared_expert"]:
         layer.fuse_shared_expert()
     if fp["routing"]:
@@ -272,10 +274,17 @@ def launch_every_kernel(plan, on_step=None) -> None:
                 on_step(tokens)
                 launch_qkv_kernel(plan, tokens)
         if fp["moe"] or fp["routing"]:
+            from moeserve.ops.moe.combine import AddNorm
             layer = meta_moe_layer(plan)
+            h = plan.arch.hidden_size
             for tokens in range(1, plan.max_step_tokens + 1):
                 on_step(tokens)
-                layer(torch.empty((tokens, plan.arch.hidden_size), dtype=plan.dtype, device=meta))
+                x = torch.empty((tokens, h), dtype=plan.dtype, device=meta)
+                if fp["fuse_norm"]:  # every MoE block of the model ends in the combine with the next norm
+                    layer(x, AddNorm(torch.empty_like(x), torch.empty(h, dtype=plan.dtype, device=meta),
+                                     plan.arch.rms_norm_eps))
+                else:
+                    layer(x)
         on_step(None)
         if fp["gemv_max_tokens"]:
             from moeserve.ops.linear_triton import TritonLinear, gemv

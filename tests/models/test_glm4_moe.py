@@ -20,16 +20,19 @@ PLAIN = dict(n_group=1, topk_group=1, use_qk_norm=False, attention_bias=False, p
              routed_scaling_factor=1.0)
 
 
-def test_greedy_tokens_and_logits_match_transformers(tmp_path):
+@pytest.mark.parametrize("fuse_norm", [False, True], ids=["", "moe_fuse_norm"])
+def test_greedy_tokens_and_logits_match_transformers(tmp_path, fuse_norm):
+    """``moe_fuse_norm``: the MoE blocks (not the leading dense layer) end in the combine with the next norm."""
     hf = make_checkpoint("glm4_moe", tmp_path)
     assert hf.model.layers[1].mlp.gate.e_score_correction_bias.abs().sum() > 0
     prompt_ids = prompts(hf.config.vocab_size, seed=2)
     expected = [hf_greedy(hf, p, MAX_TOKENS) for p in prompt_ids]
     llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", max_num_batched_tokens=16, page_size=4,
-              num_kv_pages=25, max_model_len=96, max_num_seqs=4)
+              num_kv_pages=25, max_model_len=96, max_num_seqs=4, moe_fuse_norm=fuse_norm)
     runner = llm.engine.runner
     assert runner.arch.rotary_dim == 8
     assert [type(layer.mlp).__name__ for layer in runner.model.layers] == ["DenseMLP", "SparseMoE", "SparseMoE"]
+    assert [layer.mlp.takes_norm() for layer in runner.model.layers[1:]] == [fuse_norm] * 2
     seqs, rows = run_recording_logits(llm, prompt_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                                       ignore_eos=True))
     assert [s.output_token_ids for s in seqs] == expected

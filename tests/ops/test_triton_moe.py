@@ -27,6 +27,7 @@ SEED = int(os.environ.get("MOESERVE_TEST_SEED", int.from_bytes(os.urandom(4), "l
 FP32_RTOL, FP32_ATOL = 1e-4, 1e-5
 FP16_REL_FRO = 3e-3
 BF16_REL_FRO = 2e-2
+NORM_EPS = 1e-6
 
 CFG_A = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
 CFG_B = dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=64, BLOCK_SIZE_K=16, GROUP_SIZE_M=2, num_warps=4, num_stages=2)
@@ -60,6 +61,14 @@ COMBINE_CASES = {
     "T9-k2-shared": (9, 2, 1100, torch.float32, True, False),  # H > one block of 1024 columns
     "T5-k8-routed-only": (5, 8, 64, torch.float32, False, False),
     "T7-k4-gated-bf16": (7, 4, 96, torch.bfloat16, True, True),
+    "T0": (0, 2, 32, torch.float32, True, True),
+}
+# name: (T, k, H, dtype, shared expert, sigmoid gate): the combine that also adds to the residual and applies
+# the next norm (moe_fuse_norm)
+COMBINE_NORM_CASES = {
+    "T1-k4-gated": (1, 4, 72, torch.float32, True, True),
+    "T6-k2-shared-bf16": (6, 2, 96, torch.bfloat16, True, False),
+    "T3-k8-routed-only-H1100": (3, 8, 1100, torch.float32, False, False),  # a row wider than 1024 columns
     "T0": (0, 2, 32, torch.float32, True, True),
 }
 # name: (T, E, k, dtype, config): pairwise tiles (no alignment), as steps of few tokens run
@@ -118,9 +127,15 @@ def _interpreter_worker(in_path: str, out_path: str) -> None:
     from moeserve.ops.moe.combine_triton import moe_combine_triton
     from moeserve.ops.moe.triton_kernels import fused_moe, interleave_gate_up, moe_align_block_size
     inputs = torch.load(in_path)
-    out = {"moe": {}, "align": {}, "combine": {}, "masked": {}, "pairwise": {}, "interleaved": {}}
+    from moeserve.ops.moe.combine import AddNorm
+    out = {"moe": {}, "align": {}, "combine": {}, "masked": {}, "pairwise": {}, "interleaved": {},
+           "combine_norm": {}}
     for name, (down, k, shared, gate) in inputs["combine"].items():
         out["combine"][name] = moe_combine_triton(down, k, shared, gate)
+    for name, (down, k, shared, gate, residual, weight) in inputs["combine_norm"].items():
+        res = residual.clone()
+        y = moe_combine_triton(down, k, shared, gate, add_norm=AddNorm(res, weight, NORM_EPS))
+        out["combine_norm"][name] = (y, res)
     for name, (x, w13, w2, tw, ti, cfg) in inputs["moe"].items():
         out["moe"][name] = fused_moe(x, w13, w2, tw, ti, config=cfg)
     for name, (ids, block_m, E) in inputs["align"].items():
@@ -151,6 +166,14 @@ def interpreted(tmp_path_factory):
         shared = torch.randn(T, H, generator=gen).to(dtype) if with_shared else None
         gate = (torch.randn(T, 1, generator=gen) * 3).to(dtype) if gated else None
         combine[name] = (down, k, shared, gate)
+    combine_norm = {}
+    for name, (T, k, H, dtype, with_shared, gated) in COMBINE_NORM_CASES.items():
+        down = torch.randn(T * k, H, generator=gen).to(dtype)
+        shared = torch.randn(T, H, generator=gen).to(dtype) if with_shared else None
+        gate = (torch.randn(T, 1, generator=gen) * 3).to(dtype) if gated else None
+        residual = (torch.randn(T, H, generator=gen) * 4).to(dtype)
+        weight = (1 + 0.5 * torch.randn(H, generator=gen)).to(dtype)
+        combine_norm[name] = (down, k, shared, gate, residual, weight)
     masked = {}
     for name, (T, E, k) in MASKED_CASES.items():  # ids of experts held by another rank are -1 (expert parallel)
         x, w13, w2, tw, ti = random_moe_inputs(T, E, k, 72, 40, torch.float32, gen)
@@ -168,8 +191,41 @@ def interpreted(tmp_path_factory):
             ti = ti.masked_fill(torch.rand(ti.shape, generator=gen) < 0.5, -1)
         interleaved[name] = (x, w13, w2, tw, ti, cfg, pw, masked_ids)
     inputs = {"moe": moe, "align": align, "combine": combine, "masked": masked, "pairwise": pairwise,
-              "interleaved": interleaved}
+              "interleaved": interleaved, "combine_norm": combine_norm}
     return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("interp"), SEED)
+
+
+@pytest.mark.parametrize("name", list(COMBINE_NORM_CASES))
+def test_moe_combine_with_the_next_norm_interpreter(interpreted, name):
+    """The combine with the next norm (``moe_fuse_norm``) against the float64 formula: the MoE sum rounded to
+    the dtype as the plain combine stores it, added to the residual (written back in place), RMS-normalised
+    and scaled by the weight. float32: within 1e-5; bfloat16: max error under 1.6e-2 of the largest value (two
+    roundings)."""
+    inputs, outputs = interpreted
+    down, k, shared, gate, residual, weight = inputs["combine_norm"][name]
+    y, res = outputs["combine_norm"][name]
+    T, H = down.shape[0] // k, down.shape[1]
+    assert y.shape == res.shape == (T, H) and y.dtype == res.dtype == down.dtype
+    moe = down.double().view(T, k, H).sum(1)
+    if shared is not None:
+        moe = moe + (torch.sigmoid(gate.double()) if gate is not None else 1.0) * shared.double()
+    x = moe.to(down.dtype).double() + residual.double()
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS) * weight.double()
+    def check(got, want):
+        if down.dtype == torch.float32:
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {SEED}: {m}")
+        elif T:
+            err = float((got.double() - want).abs().max() / want.abs().max())
+            assert err < 1.6e-2, f"seed {SEED}: max error {err:.3g} of the largest value"
+
+    check(res, x)
+    check(y, ref)
+    if T:  # and the reference the CPU engine runs (AddNorm.apply), the same bounds
+        from moeserve.ops.moe.combine import AddNorm
+        r = residual.clone()
+        z = AddNorm(r, weight, NORM_EPS).apply(moe.to(down.dtype))
+        check(r, x)
+        check(z, ref)
 
 
 def assert_matches_reference(y, x, ref):
@@ -539,3 +595,36 @@ def test_fused_moe_with_a_shared_expert_on_a_side_stream_in_a_cuda_graph(qwen_we
            + torch.sigmoid(xf @ w_gate.float().T) * (xf @ w_shared.float().T))
     err = float((out.float() - ref).norm() / ref.norm())
     assert err < BF16_REL_FRO, f"seed {SEED}: rel Frobenius error {err:.3g}"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 7, 64])
+def test_combine_with_the_next_norm_matches_combine_then_flashinfer_norm(T):
+    """``moe_fuse_norm`` on the GPU: the combine with the next norm (one kernel, launched with PDL where the
+    step is small enough) against the plain combine followed by FlashInfer's ``fused_add_rmsnorm``, bfloat16,
+    Qwen1.5's hidden size, shared expert gated: the new residual bit for bit (the same float32 sums, rounded
+    once), the normalised output within 1e-2 of its largest value (the sum of squares in another order)."""
+    import flashinfer.norm
+
+    from moeserve.ops import pdl
+    from moeserve.ops.moe.combine import AddNorm
+    from moeserve.ops.moe.combine_triton import moe_combine_triton
+    H, k = 2048, 4
+    gen = torch.Generator(device="cuda").manual_seed(SEED + 3000 + T)
+    down = torch.randn(T * k, H, generator=gen, device="cuda").bfloat16()
+    shared = torch.randn(T, H, generator=gen, device="cuda").bfloat16()
+    gate = torch.randn(T, 1, generator=gen, device="cuda").bfloat16() * 3
+    residual = (torch.randn(T, H, generator=gen, device="cuda") * 4).bfloat16()
+    weight = (1 + 0.5 * torch.randn(H, generator=gen, device="cuda")).bfloat16()
+    with pdl.enabled_as(64):
+        res = residual.clone()
+        y = moe_combine_triton(down, k, shared, gate, add_norm=AddNorm(res, weight, NORM_EPS))
+        plain = moe_combine_triton(down, k, shared, gate)
+    ref_res = residual.clone()
+    flashinfer.norm.fused_add_rmsnorm(plain, ref_res, weight, NORM_EPS)  # plain becomes the norm, in place
+    torch.cuda.synchronize()
+    torch.testing.assert_close(res, ref_res, rtol=0, atol=0)
+    err = float((y.float() - plain.float()).abs().max() / plain.float().abs().max())
+    assert err < 1e-2, f"seed {SEED}: max error {err:.3g} of the largest value"
+

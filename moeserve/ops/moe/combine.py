@@ -8,6 +8,10 @@ side CUDA stream (``stream``), overlapped with routing and the routed experts as
 ``moe_combine`` is one Triton kernel on a GPU (it replaces ``torch.sum`` over ``[T, k, H]``, the sigmoid, the
 multiply and the add: four launches per layer) and the torch reference elsewhere. It accumulates in float32
 and rounds once.
+
+``AddNorm`` asks the combine to finish the layer as well (``moe_fuse_norm``): add the MoE output to the
+residual stream in place and return the RMS norm of the result (the next layer's input norm, or the model's
+final norm), one kernel where the combine and the next norm were two.
 """
 from __future__ import annotations
 
@@ -43,9 +47,25 @@ class SharedExpertOutput:
         return SharedExpertOutput(pad(self.out), pad(self.gate_logit), None)
 
 
+@dataclass
+class AddNorm:
+    """``residual += moe_out`` (in place), then return ``rmsnorm(residual) * weight`` instead of ``moe_out``."""
+    residual: torch.Tensor  # [T, H], updated in place
+    weight: torch.Tensor  # [H] the next norm's weight
+    eps: float
+
+    def apply(self, moe_out: torch.Tensor) -> torch.Tensor:
+        """The reference: FlashInfer's ``fused_add_rmsnorm`` arithmetic (the sum normalised before rounding)."""
+        x = self.residual.float() + moe_out.float()
+        self.residual.copy_(x)
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * self.weight.float()).to(moe_out.dtype)
+
+
 def combine_reference(down: torch.Tensor, top_k: int, shared: SharedExpertOutput | None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """``sum_j down[t * k + j] (+ sigmoid(g_t) * shared_t)`` computed in float32, rounded once."""
+                      out: torch.Tensor | None = None, add_norm: AddNorm | None = None) -> torch.Tensor:
+    """``sum_j down[t * k + j] (+ sigmoid(g_t) * shared_t)`` computed in float32, rounded once (then
+    ``add_norm`` applied, when given)."""
     t, h = down.shape[0] // top_k, down.shape[1]
     acc = down.view(t, top_k, h).float().sum(dim=1)
     if shared is not None:
@@ -54,18 +74,21 @@ def combine_reference(down: torch.Tensor, top_k: int, shared: SharedExpertOutput
         if shared.gate_logit is not None:
             s = torch.sigmoid(shared.gate_logit.float()) * s
         acc = acc + s
+    if add_norm is not None:
+        acc = add_norm.apply(acc.to(down.dtype))
     if out is None:
         return acc.to(down.dtype)
     return out.copy_(acc)
 
 
 def moe_combine(down: torch.Tensor, top_k: int, shared: SharedExpertOutput | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """``down`` ``[T * k, H]`` (the routed experts' weighted outputs, token-major) -> ``[T, H]``."""
+                out: torch.Tensor | None = None, add_norm: AddNorm | None = None) -> torch.Tensor:
+    """``down`` ``[T * k, H]`` (the routed experts' weighted outputs, token-major) -> ``[T, H]`` (with
+    ``add_norm``: the norm of the residual it was added to)."""
     if down.device.type == "cpu":
-        return combine_reference(down, top_k, shared, out)
+        return combine_reference(down, top_k, shared, out, add_norm)
     from moeserve.ops.moe.combine_triton import moe_combine_triton
     if shared is None:
-        return moe_combine_triton(down, top_k, out=out)
+        return moe_combine_triton(down, top_k, out=out, add_norm=add_norm)
     shared.join()
-    return moe_combine_triton(down, top_k, shared.out, shared.gate_logit, out)
+    return moe_combine_triton(down, top_k, shared.out, shared.gate_logit, out, add_norm=add_norm)

@@ -32,8 +32,10 @@ def torch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 class TorchMoE(MoEBackend):
     name = "torch"
+    fuses_norm = True  # the reference of the Triton MoE's combine with the next norm (AddNorm.apply)
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer,
-                shared=None) -> torch.Tensor:
+                shared=None, add_norm=None) -> torch.Tensor:
         out = torch_moe(x, layer.w13, layer.w2, topk_weights, topk_ids)
-        return out if shared is None else shared.add_to(out)
+        out = out if shared is None else shared.add_to(out)
+        return out if add_norm is None else add_norm.apply(out)

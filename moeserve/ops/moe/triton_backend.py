@@ -20,6 +20,7 @@ log = logging.getLogger("moeserve")
 class TritonMoE(MoEBackend):
     name = "triton"
     serves_fp8 = True
+    fuses_norm = True  # experts(..., add_norm=...) folds the next norm into the combine (bf16/fp16 experts)
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         from moeserve.ops.moe import fp8_triton, triton_configs, triton_kernels
@@ -53,11 +54,12 @@ class TritonMoE(MoEBackend):
 
     @eager  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer,
-                shared=None) -> torch.Tensor:
+                shared=None, add_norm=None) -> torch.Tensor:
         masked = getattr(layer, "expert_ep", (1, 0))[0] > 1  # ids of other ranks' experts are -1
         if layer.w13_scale_inv is not None:
-            return self._fp8.fused_moe_fp8(x, layer.w13, layer.w13_scale_inv, layer.w2, layer.w2_scale_inv,
-                                           topk_weights, topk_ids, shared=shared, masked_ids=masked)
+            out = self._fp8.fused_moe_fp8(x, layer.w13, layer.w13_scale_inv, layer.w2, layer.w2_scale_inv,
+                                          topk_weights, topk_ids, shared=shared, masked_ids=masked)
+            return out if add_norm is None else add_norm.apply(out)  # (SparseMoE does not ask for FP8 experts)
         config = None
         if layer.fused_shared:  # the tile table of the routed experts (E, top-k) serves the extended ones
             e, two_i, h = layer.w13.shape
@@ -65,5 +67,5 @@ class TritonMoE(MoEBackend):
                                               x.dtype)[0] if x.shape[0] else None
         return self._kernels.fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, config=config, shared=shared,
                                        masked_ids=masked, pairwise_max_tokens=self.pairwise_max_tokens,
-                                       interleaved=layer.w13_order == "interleaved")
+                                       interleaved=layer.w13_order == "interleaved", add_norm=add_norm)
 

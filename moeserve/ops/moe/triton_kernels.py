@@ -350,7 +350,7 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids):
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: dict | None = None, out: torch.Tensor | None = None,
               shared: SharedExpertOutput | None = None, masked_ids: bool = False,
-              pairwise_max_tokens: int = 0, interleaved: bool = False) -> torch.Tensor:
+              pairwise_max_tokens: int = 0, interleaved: bool = False, add_norm=None) -> torch.Tensor:
     """Mixture-of-experts SwiGLU MLP: ``sum_j w[t,j] * w2[e] @ (silu(gate_e x_t) * up_e x_t)``, ``e = ids[t,j]``.
 
     ``x`` ``[T, H]``; ``w13`` ``[E, 2I, H]`` (gate rows ``[0, I)``, up rows ``[I, 2I)``); ``w2`` ``[E, H, I]``;
@@ -362,6 +362,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     each (token, expert) pair is its own row tile, one launch fewer per layer for the price of reading an
     expert once per pair that picks it rather than once per step. ``interleaved``: ``w13``'s rows are
     interleaved gate/up pairs (:func:`interleave_gate_up`) and the first GEMM writes the activation itself.
+    ``add_norm`` (``moeserve.ops.moe.combine.AddNorm``): the combine also adds the result to its residual and
+    returns the RMS norm of that instead.
     """
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
     t, h = x.shape
@@ -401,7 +403,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     down = (torch.zeros if masked_ids else torch.empty)((rows, h), dtype=x.dtype, device=x.device)
     invoke_fused_moe_kernel(act, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, config, max_rows,
                             pairwise=pairwise, tokens=t)
-    return moe_combine(down, top_k, shared, out)
+    return moe_combine(down, top_k, shared, out, add_norm)
 
 
 def fused_moe_warmup(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, config: dict,
