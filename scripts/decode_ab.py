@@ -3,7 +3,8 @@ of moeserve with the same script, weights and shapes (the benchmark's own comman
 
 For each concurrency c: c random prompts of ``--prompt-len`` tokens, greedy, ``ignore_eos``; one pass with
 ``--output-len`` tokens and one with a single token (the prefill alone), each timed after a warm-up pass of
-the same shape. Decode tok/s = c * (output_len - 1) / (t_full - t_first_token_only); medians of ``--runs``.
+the same shape. Decode tok/s = c * (output_len - 1) / (t_full - t_first_token_only); medians of ``--runs``
+(the JSON line also lists every run's time, to tell a slow process from a slow run).
 
     python scripts/decode_ab.py --model CKPT_DIR --concurrency 1 8 32 [--set kernel_cache_dir=DIR]
 """
@@ -56,11 +57,13 @@ def main() -> int:
             return time.perf_counter() - t0
         timed(args.output_len)
         timed(1)
-        full = statistics.median(timed(args.output_len) for _ in range(args.runs))
-        first = statistics.median(timed(1) for _ in range(args.runs))
+        fulls = [timed(args.output_len) for _ in range(args.runs)]
+        firsts = [timed(1) for _ in range(args.runs)]
+        full, first = statistics.median(fulls), statistics.median(firsts)
         tok_s = c * (args.output_len - 1) / (full - first)
         rows.append({"concurrency": c, "decode_tok_s": round(tok_s, 1), "full_s": round(full, 4),
-                     "prefill_s": round(first, 4)})
+                     "prefill_s": round(first, 4), "full_runs_s": [round(f, 4) for f in fulls],
+                     "prefill_runs_s": [round(f, 4) for f in firsts]})
         print(f"{args.label} c={c}: decode {tok_s:.1f} tok/s (full {full * 1e3:.1f} ms, prefill {first * 1e3:.1f} ms)",
               flush=True)
     print(json.dumps({"label": args.label, "rows": rows}))
