@@ -218,6 +218,10 @@ class EngineConfig(_Strict):
         64, ge=0, le=64, description="fused (Triton) softmax/Llama-4 routing: steps of at most this many tokens run "
         "the router's GEMM as moeserve's split-K kernel, its partial sums added by the routing kernel (cuBLAS runs "
         "this narrow GEMM on one or two thread blocks); 0 leaves it to the linear backend")
+    router_fuse_norm: bool = Field(
+        False, description="fused (Triton) softmax/Llama-4 routing, one GPU: steps of at most 16 tokens that run the "
+        "router's GEMM as split-K partial sums (router_split_k_max_tokens) also fold the post-attention residual add "
+        "and norm into them, one launch per MoE layer fewer")
     # FlashInfer's enable_pdl (its own kernels default to it on Hopper), for moeserve's kernels and by step size
     pdl_max_tokens: int = Field(
         64, ge=0, description="GPUs of compute capability 9.0 and later: steps of at most this many tokens launch "

@@ -91,6 +91,12 @@ class RuntimePlan:
                 and not self.config.torch_compile)
 
     @property
+    def router_fuse_norm(self) -> bool:
+        """Whether small steps fold the post-attention norm into the router's partial sums (``router_fuse_norm``;
+        where the router takes its GEMM): one rank, not under torch.compile."""
+        return self.config.router_fuse_norm and not self.parallel.is_parallel and not self.config.torch_compile
+
+    @property
     def pdl_max_tokens(self) -> int:
         """Steps of at most this many tokens launch moeserve's Triton kernels with programmatic dependent launch
         (``moeserve.ops.pdl``): ``pdl_max_tokens`` on a GPU of compute capability 9.0 or later, else 0."""
@@ -115,6 +121,8 @@ class RuntimePlan:
                 "gemv_max_tokens": gemv, "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
                 "fuse_shared_expert": self.config.moe_fuse_shared_expert,
                 "fuse_norm": moe and self.moe_fuse_norm,
+                "router_fuse_norm": (bool(routing) and self.config.router_split_k_max_tokens > 0
+                                     and self.router_fuse_norm),
                 "router_split_k_max_tokens": self.config.router_split_k_max_tokens if routing else 0,
                 "pdl_max_tokens": min(self.pdl_max_tokens, self.max_step_tokens),
                 "renormalize": m.routing.renormalize, "hidden_size": m.hidden_size, "num_experts": m.num_experts,

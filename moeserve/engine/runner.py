@@ -168,7 +168,7 @@ class ModelRunner:
                    rope_cls=cls("rope"), names=self.backend_names, quantization=self.quantization,
                    side_stream=torch.cuda.Stream(dev) if side else None,
                    side_stream_max_tokens=self.cfg.shared_expert_stream_max_tokens, parallel=self.parallel,
-                   moe_fuse_norm=plan.moe_fuse_norm)
+                   moe_fuse_norm=plan.moe_fuse_norm, router_fuse_norm=plan.router_fuse_norm)
 
     def _load_model(self) -> tuple[MoECausalLM, str, list[str]]:
         """The model with its weights in place and every MoE layer prepared by the routing and MoE backends;
@@ -317,9 +317,13 @@ class ModelRunner:
             for t in sizes:
                 if t <= self.plan.max_step_tokens:
                     x = torch.zeros((t, h), dtype=self.dtype, device=self.device)
-                    # as the model runs it: with moe_fuse_norm, the combine that applies the next norm
-                    moe(x, AddNorm(torch.zeros_like(x), torch.ones(h, dtype=self.dtype, device=self.device),
-                                   self.arch.rms_norm_eps) if moe.takes_norm() else None)
+                    ones, eps = torch.ones(h, dtype=self.dtype, device=self.device), self.arch.rms_norm_eps
+                    # as the model runs it: the post-attention norm in the router (router_fuse_norm), the
+                    # combine that applies the next norm (moe_fuse_norm)
+                    partials = None
+                    if moe.takes_router_norm(t):
+                        x, _, partials = moe.add_norm_route_partials(x, torch.zeros_like(x), ones, eps)
+                    moe(x, AddNorm(torch.zeros_like(x), ones, eps) if moe.takes_norm() else None, partials)
         n = min(self.cfg.max_num_batched_tokens, self.max_model_len)
         need = -(-n // self.page_size)
         if need < self.kv.num_pages:

@@ -34,6 +34,9 @@ class Ops:
     # The MoE combine adds the block's output to the residual and applies the next norm (``moe_fuse_norm``)
     # where the MoE backend can (``MoEBackend.fuses_norm``).
     moe_fuse_norm: bool = False
+    # Small steps fold the post-attention residual add and norm into the router's split-K partial sums
+    # (``router_fuse_norm``) where the router can.
+    router_fuse_norm: bool = False
     parallel: Parallel = field(default_factory=Parallel)  # this rank's place among the GPUs (one rank: no split)
 
 

@@ -182,11 +182,25 @@ class SparseMoE(nn.Module):
         return (takes is not None and not self.router_fp32 and self.gate.weight_scale_inv is None
                 and self.gate.bias is None and takes(tokens, self.gate.weight))
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def takes_router_norm(self, tokens: int) -> bool:
+        """Whether a step of ``tokens`` tokens folds the post-attention residual add and norm into the router's
+        partial sums (``router_fuse_norm``, :meth:`add_norm_route_partials`)."""
+        takes = getattr(self.router, "takes_norm", None)
+        return (self.ops.router_fuse_norm and self.moe_parallel is None and takes is not None
+                and self.router_gemm_split(tokens) and takes(tokens, self.gate.weight))
+
+    def add_norm_route_partials(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor, RouterPartials]:
+        """``(norm of residual + x, residual + x, the router's partial sums of that norm)`` in one launch."""
+        return self.router.add_norm_partial_logits(x, residual, norm_weight, eps, self.gate.weight)
+
+    def route(self, x: torch.Tensor, partials: RouterPartials | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(weights float32 [T, k], ids int32 [T, k], shared-expert gate logit [T, 1] or None)`` for the
         tokens ``x``; the gate logit is there when the router's GEMM computed it. With the shared expert fused
-        (``fuse_shared_expert``), ``k`` grows by its pieces: ids ``E ..``, weights its gate (or 1)."""
-        logits = self.router_logits(x)
+        (``fuse_shared_expert``), ``k`` grows by its pieces: ids ``E ..``, weights its gate (or 1). ``partials``:
+        the router's partial sums for ``x``, already computed (:meth:`add_norm_route_partials`)."""
+        logits = partials if partials is not None else self.router_logits(x)
         if isinstance(logits, RouterPartials):  # the routing kernel adds them up and writes the logits
             weights, ids, logits = self.router.route_partials(logits, self.num_experts, shared=self.fused_shared,
                                                               gated=self.shared_gate_in_router)
@@ -246,16 +260,17 @@ class SparseMoE(nn.Module):
         return (self.ops.moe_fuse_norm and self.ops.moe.fuses_norm and self.moe_parallel is None
                 and self.w13_scale_inv is None)
 
-    def forward(self, x: torch.Tensor, add_norm: AddNorm | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_norm: AddNorm | None = None,
+                partials: RouterPartials | None = None) -> torch.Tensor:
         """The block's output for the tokens ``x``; with ``add_norm`` (only where ``takes_norm``), the norm of
-        the residual it was added to."""
+        the residual it was added to. ``partials``: the router's partial sums for ``x`` (``router_fuse_norm``)."""
         shared = None
         stream = self.ops.side_stream
         # Routing (the router's GEMM and the top-k) first, alone: launched beside the shared expert's GEMMs, whose
         # thread blocks fill the SMs, its small kernels waited for free ones on the path every later kernel of the
         # layer waits on (c=1 step profile on an H200: the top-k kernel adding the router's partial sums 11 us per
         # layer there).
-        weights, ids, gate_logit = self.route(x)
+        weights, ids, gate_logit = self.route(x, partials)
         if self.shared_expert is not None and stream is not None and x.shape[0] <= self.ops.side_stream_max_tokens:
             stream.wait_stream(torch.cuda.current_stream())  # x and the routing are ready
             with torch.cuda.stream(stream):
@@ -350,10 +365,17 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = norm.add_rmsnorm(hidden, residual, self.input_layernorm, self.eps)
         h = self.self_attn(positions, h)
-        h, residual = norm.add_rmsnorm(h, residual, self.post_attention_layernorm, self.eps)
-        if next_norm is not None and isinstance(self.mlp, SparseMoE) and self.mlp.takes_norm():
-            return self.mlp(h, AddNorm(residual, next_norm, self.eps)), residual, True
-        return self.mlp(h), residual, False
+        moe = self.mlp if isinstance(self.mlp, SparseMoE) else None
+        partials = None
+        if moe is not None and moe.takes_router_norm(h.shape[0]):  # router_fuse_norm
+            h, residual, partials = moe.add_norm_route_partials(h, residual, self.post_attention_layernorm, self.eps)
+        else:
+            h, residual = norm.add_rmsnorm(h, residual, self.post_attention_layernorm, self.eps)
+        if moe is None:
+            return self.mlp(h), residual, False
+        if next_norm is not None and moe.takes_norm():
+            return moe(h, AddNorm(residual, next_norm, self.eps), partials), residual, True
+        return moe(h, None, partials), residual, False
 
     def entries(self, prefix: str) -> dict[str, Entry]:
         e = {f"{prefix}.input_layernorm.weight": Entry(self.input_layernorm),

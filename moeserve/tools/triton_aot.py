@@ -214,7 +214,7 @@ def meta_moe_layer(plan, device: torch.device | None = None):
     if fp["moe"]:
         moe.pairwise_max_tokens = fp["moe_pairwise_max_tokens"]
     ops = _meta_ops(plan, moe, meta)
-    ops.moe_fuse_norm = fp["fuse_norm"]
+    ops.moe_fuse_norm, ops.router_fuse_norm = fp["fuse_norm"], fp["router_fuse_norm"]
     layer = SparseMoE(ops, plan.arch, dtype, meta)
     if fp["fuse_shared_expert"]:
         layer.fuse_shared_expert()
@@ -280,11 +280,13 @@ def launch_every_kernel(plan, on_step=None) -> None:
             for tokens in range(1, plan.max_step_tokens + 1):
                 on_step(tokens)
                 x = torch.empty((tokens, h), dtype=plan.dtype, device=meta)
-                if fp["fuse_norm"]:  # every MoE block of the model ends in the combine with the next norm
-                    layer(x, AddNorm(torch.empty_like(x), torch.empty(h, dtype=plan.dtype, device=meta),
-                                     plan.arch.rms_norm_eps))
-                else:
-                    layer(x)
+                norm_w, eps = torch.empty(h, dtype=plan.dtype, device=meta), plan.arch.rms_norm_eps
+                # as DecoderLayer.forward runs the block: the post-attention norm in the router (router_fuse_norm),
+                # the combine with the next norm (moe_fuse_norm)
+                partials = None
+                if layer.takes_router_norm(tokens):
+                    x, _, partials = layer.add_norm_route_partials(x, torch.empty_like(x), norm_w, eps)
+                layer(x, AddNorm(torch.empty_like(x), norm_w, eps) if fp["fuse_norm"] else None, partials)
         on_step(None)
         if fp["gemv_max_tokens"]:
             from moeserve.ops.linear_triton import TritonLinear, gemv

@@ -146,19 +146,24 @@ def test_stream_priority_only_up_to_its_bound(tmp_path):
     assert one.runner.graphs.first == {1: "equal", 2: "equal", 4: "equal", 8: "equal"}  # no second stream
 
 
-def test_moe_fuse_norm_follows_the_unfused_engine(tmp_path):
+@pytest.mark.parametrize("moe_norm, router_norm", [(True, False), (False, True), (True, True)],
+                         ids=["moe_fuse_norm", "router_fuse_norm", "both"])
+def test_norms_folded_into_neighbours_follow_the_unfused_engine(tmp_path, moe_norm, router_norm):
     """``moe_fuse_norm``: every MoE block's combine also adds to the residual and applies the next layer's input
     norm (the last block the final norm), one Triton kernel where the combine and FlashInfer's
-    ``fused_add_rmsnorm`` were two, through chunked prefill, mixed steps and CUDA-graph decode; against the engine
-    without it (worst cosine > 0.9999, at least 95% of the greedy tokens the same: the same arithmetic but for
-    the order of the sum of squares)."""
+    ``fused_add_rmsnorm`` were two. ``router_fuse_norm``: steps of up to 16 tokens add the residual and apply the
+    post-attention norm in the router's partial-sum kernel. Through chunked prefill, mixed steps and CUDA-graph
+    decode, against the engine without either (worst cosine > 0.9999, at least 95% of the greedy tokens the
+    same: the same arithmetic but for the order of the sums of squares)."""
     make_checkpoint("qwen2_moe", tmp_path, seed=11, **GPU_QWEN2)
     fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
-    fused = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, moe_fuse_norm=True)
-    plain = engine(tmp_path, {**fast, "moe": "triton"}, eager=False)
+    fused = engine(tmp_path, {**fast, "moe": "triton", "routing": "fused"}, eager=False, moe_fuse_norm=moe_norm,
+                   router_fuse_norm=router_norm)
+    plain = engine(tmp_path, {**fast, "moe": "triton", "routing": "fused"}, eager=False)
     blocks = lambda e: [layer.mlp for layer in e.runner.model.layers if hasattr(layer.mlp, "takes_norm")]  # noqa: E731
-    assert blocks(fused) and all(b.takes_norm() for b in blocks(fused))
-    assert not any(b.takes_norm() for b in blocks(plain))
+    assert blocks(fused) and all(b.takes_norm() == moe_norm for b in blocks(fused))
+    assert all(b.takes_router_norm(1) == router_norm and not b.takes_router_norm(17) for b in blocks(fused))
+    assert not any(b.takes_norm() or b.takes_router_norm(1) for b in blocks(plain))
     g = torch.Generator().manual_seed(16)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
     r = lockstep(fused, plain, prompts, MAX_TOKENS, follow="fast")

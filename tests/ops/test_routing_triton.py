@@ -95,6 +95,34 @@ SPLIT_CASES = {
     "llama4-T17": (17, 128, 16, 16, 1, "llama4", False, 0, False),
 }
 SPLIT_RTOL, SPLIT_ATOL = 2 ** -7, 1e-3  # one bf16 rounding step of the logits (the sum's order differs)
+# the post-attention residual add and norm folded into the partial sums (router_fuse_norm):
+# name: (T, K, E, router rows, k, method, renormalize, gated, dtype)
+NORM_SPLIT_CASES = {
+    "qwen15-gated-T1-fp16": (1, 256, 60, 64, 4, "softmax", False, True, torch.float16),
+    "qwen3-renorm-T5-ragged-K-bf16": (5, 200, 128, 128, 8, "softmax", True, False, torch.bfloat16),
+}
+NORM_EPS = 1e-6
+
+
+def make_norm_inputs(T, K, gen, dtype, device="cpu"):
+    """The attention block's output, the residual stream (larger), the norm's weight."""
+    x = torch.randn(T, K, generator=gen, device=device).to(dtype)
+    res = (torch.randn(T, K, generator=gen, device=device) * 4).to(dtype)
+    nw = (1 + 0.5 * torch.randn(K, generator=gen, device=device)).to(dtype)
+    return x, res, nw
+
+
+def check_norm_split(x, res, nw, w, out, E, k, method, renorm, gated):
+    """``h``, the new residual (each within a rounding of their dtype of the float64 formula; the input residual
+    untouched), and the routing of the router's GEMM of that ``h``."""
+    h, new_res, routed = out
+    r = x.double().cpu() + res.double().cpu()
+    want_h = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + NORM_EPS) * nw.double().cpu()
+    for got, want in ((new_res, r), (h, want_h)):
+        assert got.dtype == x.dtype and got.shape == x.shape
+        err = float((got.double().cpu() - want).abs().max() / want.abs().max())
+        assert err < 1e-2, f"seed {SEED}: max error {err:.3g} of the largest value"
+    check_split(h, w, routed, E, k, method, renorm, 0, gated)
 
 
 def make_router(T, K, E, rows, gated, gen, device="cpu", dtype=torch.bfloat16):
@@ -134,6 +162,10 @@ def _interpreter_worker(in_path: str, out_path: str) -> None:
     out = {}
     for name, (x, w, E, k, method, renorm, shared, gated) in inputs.pop("_split").items():
         out["split-" + name] = run_split(x, w, E, k, method, renorm, shared, gated)
+    from moeserve.ops.moe.routing_triton import add_norm_router_partials, topk_route_partials
+    for name, (x, res, nw, w, E, k, method, renorm, gated) in inputs.pop("_norm_split").items():
+        h, new_res, p = add_norm_router_partials(x, res, nw, NORM_EPS, w)
+        out["norm-split-" + name] = (h, new_res, topk_route_partials(p, E, method, k, renorm, gated=gated), res)
     for name, (full, e, k, method, renorm, shared, gated) in inputs.pop("_shared").items():
         out["shared-" + name] = topk_route(full[:, :e], method, k, renorm, shared=shared, gated=gated)
     for name, (full, e, k, method, renorm) in inputs.items():
@@ -153,6 +185,11 @@ def interpreted(tmp_path_factory):
     inputs["_split"] = {name: (*make_router(T, K, E, rows, gated, gen, dtype=torch.float16), E, k, method, renorm,
                                shared, gated)
                         for name, (T, K, E, rows, k, method, renorm, shared, gated) in SPLIT_CASES.items()}
+    inputs["_norm_split"] = {}
+    for name, (T, K, E, rows, k, method, renorm, gated, dtype) in NORM_SPLIT_CASES.items():
+        x, res, nw = make_norm_inputs(T, K, gen, dtype)
+        w = make_router(T, K, E, rows, gated, gen, dtype=dtype)[1]
+        inputs["_norm_split"][name] = (x, res, nw, w, E, k, method, renorm, gated)
     return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("route"), SEED, timeout=300)
 
 
@@ -169,6 +206,17 @@ def test_router_gemm_as_partial_sums_routes_like_the_gemm_interpreter(interprete
     inputs, outputs = interpreted
     x, w, E, k, method, renorm, shared, gated = inputs["_split"][name]
     check_split(x, w, outputs["split-" + name], E, k, method, renorm, shared, gated)
+
+
+@pytest.mark.parametrize("name", list(NORM_SPLIT_CASES))
+def test_post_attention_norm_in_the_router_partial_sums_interpreter(interpreted, name):
+    """``router_fuse_norm``: one kernel adds the residual, normalises, and writes the router's partial sums of
+    the normalised row; against the float64 formula and ``F.linear`` of the ``h`` it wrote."""
+    inputs, outputs = interpreted
+    x, res, nw, w, E, k, method, renorm, gated = inputs["_norm_split"][name]
+    h, new_res, routed, res_after = outputs["norm-split-" + name]
+    assert torch.equal(res_after, res), "the input residual must not change (other programs still read it)"
+    check_norm_split(x, res, nw, w, (h, new_res, routed), E, k, method, renorm, gated)
 
 
 def test_router_partials_refuse_what_they_do_not_hold():
@@ -301,6 +349,32 @@ def test_router_gemm_as_partial_sums_on_the_gpu(shape, T):
     gen = torch.Generator(device="cuda").manual_seed(SEED + T)
     x, w = make_router(T, K, E, rows, gated, gen, "cuda")
     check_split(x, w, run_split(x, w, E, k, method, renorm, 0, gated), E, k, method, renorm, 0, gated)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5, 16])
+def test_post_attention_norm_in_the_router_partial_sums_on_the_gpu(T):
+    """``router_fuse_norm`` at Qwen1.5's shape (bfloat16, the shared expert's gate a router row), launched with
+    PDL: the new residual bit for bit FlashInfer's ``fused_add_rmsnorm``'s (the same float32 sum, rounded once),
+    ``h`` within 1e-2 of its largest value of FlashInfer's (the sum of squares in another order), and the routing
+    of the router's GEMM of that ``h``."""
+    import flashinfer.norm
+
+    from moeserve.ops import pdl
+    from moeserve.ops.moe.routing_triton import add_norm_router_partials, topk_route_partials
+    gen = torch.Generator(device="cuda").manual_seed(SEED + 100 + T)
+    x, res, nw = make_norm_inputs(T, 2048, gen, torch.bfloat16, "cuda")
+    w = make_router(T, 2048, 60, 64, True, gen, "cuda")[1]
+    with pdl.enabled_as(64):
+        h, new_res, p = add_norm_router_partials(x, res, nw, NORM_EPS, w)
+        routed = topk_route_partials(p, 60, "softmax", 4, False, gated=True)
+    fi_h, fi_res = x.clone(), res.clone()
+    flashinfer.norm.fused_add_rmsnorm(fi_h, fi_res, nw, NORM_EPS)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(new_res, fi_res, rtol=0, atol=0)
+    err = float((h.float() - fi_h.float()).abs().max() / fi_h.float().abs().max())
+    assert err < 1e-2, f"seed {SEED}: max error {err:.3g} of the largest value"
+    check_norm_split(x, res, nw, w, (h, new_res, routed), 60, 4, "softmax", False, True)
 
 
 @pytest.mark.gpu

@@ -18,6 +18,12 @@ the routing kernel adds in a fixed order (the result does not depend on scheduli
 dtype as the GEMM's output would be, stores as the logits (the shared expert's gate is one of their columns)
 and routes on. For a few tokens cuBLAS runs this GEMM (60-odd rows) with a 64x8 tile and no split-K, one thread
 block by its tile shape, reading whole rows: 14 us per layer in a Qwen1.5-MoE decode step on an H200.
+
+``router_fuse_norm`` (steps of at most ``ROUTER_NORM_MAX_TOKENS`` tokens) folds the layer's post-attention
+residual add and RMS norm into those partial sums: ``_add_norm_router_partial_kernel``'s program ``(s, t)``
+normalises token ``t``'s whole row (FlashInfer's ``fused_add_rmsnorm`` arithmetic), writes slice ``s`` of the
+normalised row and of the new residual (into fresh tensors: other programs still read the old residual) and
+the partial sums of that slice, one launch where the norm and the router's partial GEMM were two.
 """
 from __future__ import annotations
 
@@ -114,6 +120,36 @@ def _router_partial_kernel(x_ptr, w_ptr, part_ptr, T, N, K, stride_xt, stride_wn
 
 
 @triton.jit
+def _add_norm_router_partial_kernel(x_ptr, res_ptr, nw_ptr, h_ptr, res_out_ptr, w_ptr, part_ptr, T, N, H, eps,
+                                    stride_xt, stride_rt, stride_wn, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                                    BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """Program ``(s, t)``: ``r = x[t] + res[t]``, ``h[t] = r * rsqrt(mean(r^2) + eps) * nw`` over the whole row;
+    stores slice ``s`` (``BLOCK_K`` columns) of ``h`` and of ``r`` (rounded) and ``part[s, t, n] = sum over the
+    slice of h[t, k] * w[n, k]`` (float32, from the rounded ``h`` as the router's GEMM would read it)."""
+    wait_prior(PDL)
+    s = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    m = cols < H
+    r = (tl.load(x_ptr + t * stride_xt + cols, mask=m, other=0.0).to(tl.float32)
+         + tl.load(res_ptr + t * stride_rt + cols, mask=m, other=0.0).to(tl.float32))
+    rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=0) / H + eps)
+    offs_k = s * BLOCK_K + tl.arange(0, BLOCK_K)
+    km = offs_k < H
+    rs = (tl.load(x_ptr + t * stride_xt + offs_k, mask=km, other=0.0).to(tl.float32)
+          + tl.load(res_ptr + t * stride_rt + offs_k, mask=km, other=0.0).to(tl.float32))
+    dtype = h_ptr.dtype.element_ty
+    hs = (rs * rstd * tl.load(nw_ptr + offs_k, mask=km, other=0.0).to(tl.float32)).to(dtype)
+    tl.store(h_ptr + t * H + offs_k, hs, mask=km)
+    tl.store(res_out_ptr + t * H + offs_k, rs.to(dtype), mask=km)
+    offs_n = tl.arange(0, BLOCK_N)
+    w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=(offs_n < N)[:, None] & km[None, :],
+                other=0.0)
+    part = tl.sum(w.to(tl.float32) * hs.to(tl.float32)[None, :], axis=1)
+    tl.store(part_ptr + (s * T + t) * BLOCK_N + offs_n, part)
+
+
+@triton.jit
 def _topk_route_partials_kernel(part_ptr, T, logits_ptr, weights_ptr, ids_ptr, E, ROWS, SPLITS,
                                 K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
                                 SOFTMAX: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr = 0,
@@ -205,6 +241,40 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor) -> RouterPartials:
     return RouterPartials(parts, n, weight.dtype)
 
 
+ROUTER_NORM_MAX_TOKENS = 16  # one program per (slice, token): the weight slice is read once per token
+ROUTER_NORM_MAX_HIDDEN = 16384  # each program holds a whole row
+
+
+def add_norm_router_partials(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                             weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, RouterPartials]:
+    """``(h, new residual, partials)``: the post-attention ``residual + x`` and its RMS norm times
+    ``norm_weight`` (FlashInfer's ``fused_add_rmsnorm``, here into fresh tensors), with the router's GEMM
+    ``h @ weight^T`` as partial sums over slices of the hidden size (:func:`router_partials`). ``T`` at most
+    ``ROUTER_NORM_MAX_TOKENS``, ``N`` at most ``ROUTER_MAX_ROWS``."""
+    t, k = x.shape
+    n = weight.shape[0]
+    if (t > ROUTER_NORM_MAX_TOKENS or n > ROUTER_MAX_ROWS or weight.shape[1] != k or residual.shape != x.shape
+            or k > ROUTER_NORM_MAX_HIDDEN):
+        raise ValueError(f"add_norm_router_partials: x {tuple(x.shape)}, residual {tuple(residual.shape)}, weight "
+                         f"{tuple(weight.shape)} (at most {ROUTER_NORM_MAX_TOKENS} tokens, {ROUTER_MAX_ROWS} rows, "
+                         f"a hidden size of {ROUTER_NORM_MAX_HIDDEN})")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if residual.stride(1) != 1:
+        residual = residual.contiguous()
+    block_n = max(16, triton.next_power_of_2(n))
+    splits = triton.cdiv(k, ROUTER_BLOCK_K)
+    h = torch.empty((t, k), dtype=x.dtype, device=x.device)
+    new_residual = torch.empty((t, k), dtype=residual.dtype, device=x.device)
+    parts = torch.empty((splits, t, block_n), dtype=torch.float32, device=x.device)
+    if t:
+        _add_norm_router_partial_kernel[(splits, t)](
+            x, residual, norm_weight, h, new_residual, weight, parts, t, n, k, float(eps), x.stride(0),
+            residual.stride(0), weight.stride(0), BLOCK_H=triton.next_power_of_2(k), BLOCK_N=block_n,
+            BLOCK_K=ROUTER_BLOCK_K, num_warps=4, **launch_kwargs(t))
+    return h, new_residual, RouterPartials(parts, n, weight.dtype)
+
+
 def topk_route_partials(p: RouterPartials, num_experts: int, method: str, top_k: int, renormalize: bool = False,
                         shared: int = 0, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`topk_route` of the logits whose partial sums ``p`` holds (their first ``num_experts`` columns;
@@ -257,6 +327,17 @@ class TritonTopkRouter:
     @eager
     def partial_logits(self, x: torch.Tensor, weight: torch.Tensor) -> RouterPartials:
         return router_partials(x, weight)
+
+    def takes_norm(self, tokens: int, weight: torch.Tensor) -> bool:
+        """Whether a step of ``tokens`` tokens may also fold the post-attention norm into the partial sums
+        (:meth:`add_norm_partial_logits`, ``router_fuse_norm``)."""
+        return (tokens <= ROUTER_NORM_MAX_TOKENS and self.takes_gemm(tokens, weight)
+                and weight.shape[1] <= ROUTER_NORM_MAX_HIDDEN)
+
+    @eager
+    def add_norm_partial_logits(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                                eps: float, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, RouterPartials]:
+        return add_norm_router_partials(x, residual, norm_weight, eps, weight)
 
     @eager
     def route_partials(self, p: RouterPartials, num_experts: int, shared: int = 0, gated: bool = False
