@@ -286,7 +286,7 @@ def launch_every_kernel(plan, on_step=None) -> None:
                 partials = None
                 if layer.takes_router_norm(tokens):
                     x, _, partials = layer.add_norm_route_partials(x, torch.empty_like(x), norm_w, eps)
-                layer(x, AddNorm(torch.empty_like(x), norm_w, eps) if fp["fuse_norm"] else None, partials)
+                layer(x, AddNorm(torch.empty_like(x), norm_w, eps) if layer.takes_norm() else None, partials)
         on_step(None)
         if fp["gemv_max_tokens"]:
             from moeserve.ops.linear_triton import TritonLinear, gemv
