@@ -22,13 +22,9 @@ MAX_NORM_HIDDEN = 16384  # the fused norm holds a whole row in one program
 
 
 @triton.jit
-def moe_combine_kernel(down_ptr, shared_ptr, gate_ptr, out_ptr, H, stride_down, stride_shared, stride_gate,
-                       stride_out, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    wait_prior(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < H
+def _combined(down_ptr, shared_ptr, gate_ptr, t, cols, mask, stride_down, stride_shared, stride_gate,
+              TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
+    """Token ``t``'s columns ``cols``: the sum of its top-k rows plus the (gated) shared expert's, in float32."""
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(down_ptr + (t * TOP_K + j) * stride_down + cols, mask=mask, other=0.0).to(tl.float32)
@@ -38,6 +34,19 @@ def moe_combine_kernel(down_ptr, shared_ptr, gate_ptr, out_ptr, H, stride_down, 
             g = tl.load(gate_ptr + t * stride_gate).to(tl.float32)
             s = s / (1.0 + tl.exp(-g))
         acc += s
+    return acc
+
+
+@triton.jit
+def moe_combine_kernel(down_ptr, shared_ptr, gate_ptr, out_ptr, H, stride_down, stride_shared, stride_gate,
+                       stride_out, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_prior(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    acc = _combined(down_ptr, shared_ptr, gate_ptr, t, cols, mask, stride_down, stride_shared, stride_gate, TOP_K,
+                    HAS_SHARED, HAS_GATE, BLOCK)
     tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -50,15 +59,8 @@ def moe_combine_add_norm_kernel(down_ptr, shared_ptr, gate_ptr, res_ptr, w_ptr, 
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        acc += tl.load(down_ptr + (t * TOP_K + j) * stride_down + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SHARED:
-        s = tl.load(shared_ptr + t * stride_shared + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_GATE:
-            g = tl.load(gate_ptr + t * stride_gate).to(tl.float32)
-            s = s / (1.0 + tl.exp(-g))
-        acc += s
+    acc = _combined(down_ptr, shared_ptr, gate_ptr, t, cols, mask, stride_down, stride_shared, stride_gate, TOP_K,
+                    HAS_SHARED, HAS_GATE, BLOCK)
     dtype = out_ptr.dtype.element_ty
     # the MoE output rounded as the unfused combine stores it, then FlashInfer's fused_add_rmsnorm
     x = acc.to(dtype).to(tl.float32) + tl.load(res_ptr + t * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
