@@ -306,7 +306,6 @@ class ModelRunner:
             return
         from moeserve.kernel_cache.triton_cache import warm_step_sizes
         from moeserve.models.layers import SparseMoE
-        from moeserve.ops.moe.combine import AddNorm
         t0 = time.perf_counter()
         sizes = warm_step_sizes()
         moe = next((layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)), None)
@@ -317,13 +316,8 @@ class ModelRunner:
             for t in sizes:
                 if t <= self.plan.max_step_tokens:
                     x = torch.zeros((t, h), dtype=self.dtype, device=self.device)
-                    ones, eps = torch.ones(h, dtype=self.dtype, device=self.device), self.arch.rms_norm_eps
-                    # as the model runs it: the post-attention norm in the router (router_fuse_norm), the
-                    # combine that applies the next norm (moe_fuse_norm)
-                    partials = None
-                    if moe.takes_router_norm(t):
-                        x, _, partials = moe.add_norm_route_partials(x, torch.zeros_like(x), ones, eps)
-                    moe(x, AddNorm(torch.zeros_like(x), ones, eps) if moe.takes_norm() else None, partials)
+                    ones = torch.ones(h, dtype=self.dtype, device=self.device)
+                    moe.after_attention(x, torch.zeros_like(x), ones, self.arch.rms_norm_eps, ones)  # as the model
         n = min(self.cfg.max_num_batched_tokens, self.max_model_len)
         need = -(-n // self.page_size)
         if need < self.kv.num_pages:

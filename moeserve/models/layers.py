@@ -260,6 +260,21 @@ class SparseMoE(nn.Module):
         return (self.ops.moe_fuse_norm and self.ops.moe.fuses_norm and self.moe_parallel is None
                 and self.w13_scale_inv is None)
 
+    def after_attention(self, h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        next_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The rest of a decoder layer from the attention's output ``h``: the post-attention residual add and
+        norm (``norm_weight``; in the router's kernel where it takes it, ``router_fuse_norm``), then this block.
+        ``(output, residual, normed)``: with ``next_norm`` where the block takes it (``moe_fuse_norm``), the
+        output is that norm of the new residual and ``normed`` is True."""
+        partials = None
+        if self.takes_router_norm(h.shape[0]):
+            h, residual, partials = self.add_norm_route_partials(h, residual, norm_weight, eps)
+        else:
+            h, residual = self.ops.norm.add_rmsnorm(h, residual, norm_weight, eps)
+        if next_norm is not None and self.takes_norm():
+            return self(h, AddNorm(residual, next_norm, eps), partials), residual, True
+        return self(h, None, partials), residual, False
+
     def forward(self, x: torch.Tensor, add_norm: AddNorm | None = None,
                 partials: RouterPartials | None = None) -> torch.Tensor:
         """The block's output for the tokens ``x``; with ``add_norm`` (only where ``takes_norm``), the norm of
@@ -365,17 +380,10 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = norm.add_rmsnorm(hidden, residual, self.input_layernorm, self.eps)
         h = self.self_attn(positions, h)
-        moe = self.mlp if isinstance(self.mlp, SparseMoE) else None
-        partials = None
-        if moe is not None and moe.takes_router_norm(h.shape[0]):  # router_fuse_norm
-            h, residual, partials = moe.add_norm_route_partials(h, residual, self.post_attention_layernorm, self.eps)
-        else:
-            h, residual = norm.add_rmsnorm(h, residual, self.post_attention_layernorm, self.eps)
-        if moe is None:
-            return self.mlp(h), residual, False
-        if next_norm is not None and moe.takes_norm():
-            return moe(h, AddNorm(residual, next_norm, self.eps), partials), residual, True
-        return moe(h, None, partials), residual, False
+        if isinstance(self.mlp, SparseMoE):
+            return self.mlp.after_attention(h, residual, self.post_attention_layernorm, self.eps, next_norm)
+        h, residual = norm.add_rmsnorm(h, residual, self.post_attention_layernorm, self.eps)
+        return self.mlp(h), residual, False
 
     def entries(self, prefix: str) -> dict[str, Entry]:
         e = {f"{prefix}.input_layernorm.weight": Entry(self.input_layernorm),

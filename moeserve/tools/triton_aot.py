@@ -274,19 +274,13 @@ def launch_every_kernel(plan, on_step=None) -> None:
                 on_step(tokens)
                 launch_qkv_kernel(plan, tokens)
         if fp["moe"] or fp["routing"]:
-            from moeserve.ops.moe.combine import AddNorm
             layer = meta_moe_layer(plan)
             h = plan.arch.hidden_size
+            norm_w = torch.empty(h, dtype=plan.dtype, device=meta)
             for tokens in range(1, plan.max_step_tokens + 1):
                 on_step(tokens)
                 x = torch.empty((tokens, h), dtype=plan.dtype, device=meta)
-                norm_w, eps = torch.empty(h, dtype=plan.dtype, device=meta), plan.arch.rms_norm_eps
-                # as DecoderLayer.forward runs the block: the post-attention norm in the router (router_fuse_norm),
-                # the combine with the next norm (moe_fuse_norm)
-                partials = None
-                if layer.takes_router_norm(tokens):
-                    x, _, partials = layer.add_norm_route_partials(x, torch.empty_like(x), norm_w, eps)
-                layer(x, AddNorm(torch.empty_like(x), norm_w, eps) if layer.takes_norm() else None, partials)
+                layer.after_attention(x, torch.empty_like(x), norm_w, plan.arch.rms_norm_eps, norm_w)  # as the model
         on_step(None)
         if fp["gemv_max_tokens"]:
             from moeserve.ops.linear_triton import TritonLinear, gemv
