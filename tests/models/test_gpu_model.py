@@ -169,3 +169,28 @@ def test_norms_folded_into_neighbours_follow_the_unfused_engine(tmp_path, moe_no
     r = lockstep(fused, plain, prompts, MAX_TOKENS, follow="fast")
     assert r.graph_steps > 0
     assert r.worst > 0.9999 and r.agreement >= 0.95, (r.worst, r.agreement)
+
+
+def test_steps_without_the_alignment_follow_the_aligned_engine(tmp_path, monkeypatch):
+    """``moe_pairwise_max_tokens``: steps of up to 64 tokens skip the MoE alignment, the tile of each expert's
+    first (token, expert) pair taking every token routed to it (decode batches of 2 to 8 in the CUDA graphs,
+    prefill chunks and mixed steps eagerly), against the engine that always aligns (worst cosine > 0.9999, at
+    least 95% of the greedy tokens the same: the same products, summed in tiles of another height)."""
+    from moeserve.ops.moe import triton_kernels
+    make_checkpoint("qwen2_moe", tmp_path, seed=12, **GPU_QWEN2)
+    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
+    aligned_steps, align = [], triton_kernels.moe_align_block_size
+    monkeypatch.setattr(triton_kernels, "moe_align_block_size",
+                        lambda ids, *a: aligned_steps.append(ids.shape[0]) or align(ids, *a))
+    pairwise = engine(tmp_path, {**fast, "moe": "triton", "routing": "fused"}, eager=False,
+                      moe_pairwise_max_tokens=64)
+    assert all(t > 64 for t in aligned_steps), sorted(set(aligned_steps))  # graphs of 1-8 captured unaligned
+    aligned_steps.clear()
+    aligned = engine(tmp_path, {**fast, "moe": "triton", "routing": "fused"}, eager=False,
+                     moe_pairwise_max_tokens=0)
+    assert {2, 4, 8} <= set(aligned_steps)
+    g = torch.Generator().manual_seed(17)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    r = lockstep(pairwise, aligned, prompts, MAX_TOKENS, follow="fast")
+    assert r.graph_steps > 0
+    assert r.worst > 0.9999 and r.agreement >= 0.95, (r.worst, r.agreement)

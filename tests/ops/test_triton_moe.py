@@ -71,12 +71,17 @@ COMBINE_NORM_CASES = {
     "T3-k8-routed-only-H1100": (3, 8, 1100, torch.float32, False, False),  # a row wider than 1024 columns
     "T0": (0, 2, 32, torch.float32, True, True),
 }
-# name: (T, E, k, dtype, config): pairwise tiles (no alignment), as steps of few tokens run
+# name: (T, E, k, dtype, config): pairwise tiles (no alignment), as steps of few tokens run; from two tokens on
+# the tile of each expert's first pair takes every token routed to it (17 tokens: a 32-row tile)
 PAIRWISE_CASES = {
     "T1-k2": (1, 8, 2, torch.float32, None),
     "T3-k4-A": (3, 8, 4, torch.float32, CFG_A),
     "T2-k2-odd-K-fp16": (2, 8, 2, torch.float16, CFG_B),
+    "T17-k3-B": (17, 6, 3, torch.float32, CFG_B),
 }
+# name: (T, E, k, share of ids masked): the row tiles of an expert's first pair (``expert_tile_rows``)
+EXPERT_TILE_CASES = {"T3-k4": (3, 8, 4, 0.0), "T17-k3": (17, 6, 3, 0.0), "T16-k8": (16, 64, 8, 0.0),
+                     "T9-k2-masked": (9, 4, 2, 0.4)}
 # name: (T, E, k): routing with about half the ids -1
 MASKED_CASES = {"T1": (1, 8, 2), "T33": (33, 8, 2), "T17-k4": (17, 4, 4)}
 # gate/up rows interleaved, the activation in the first GEMM's epilogue (I=40: 2I=80 rows end in a partial tile)
@@ -84,6 +89,7 @@ MASKED_CASES = {"T1": (1, 8, 2), "T33": (33, 8, 2), "T17-k4": (17, 4, 4)}
 INTERLEAVED_CASES = {
     "T1-pairwise": (1, 8, 2, torch.float32, None, True, False),
     "T3-k4-pairwise-A": (3, 8, 4, torch.float32, CFG_A, True, False),
+    "T12-k2-pairwise-B-fp16": (12, 4, 2, torch.float16, CFG_B, True, False),
     "T33-A": (33, 8, 2, torch.float32, CFG_A, False, False),
     "T33-B-fp16": (33, 8, 2, torch.float16, CFG_B, False, False),
     "T17-even-K-masked": (17, 4, 3, torch.float32, CFG_EVEN, False, True),
@@ -129,7 +135,16 @@ def _interpreter_worker(in_path: str, out_path: str) -> None:
     inputs = torch.load(in_path)
     from moeserve.ops.moe.combine import AddNorm
     out = {"moe": {}, "align": {}, "combine": {}, "masked": {}, "pairwise": {}, "interleaved": {},
-           "combine_norm": {}}
+           "combine_norm": {}, "expert_tile": {}}
+    for name, (ids, k) in inputs["expert_tile"].items():
+        numel = ids.numel()
+        block_m = max(16, 1 << (numel // k - 1).bit_length())
+        rows = torch.full((numel, block_m), -7, dtype=torch.int64)
+        owner = torch.full((numel,), -7, dtype=torch.int32)
+        expert = torch.full((numel,), -7, dtype=torch.int64)
+        _expert_tile_probe[(numel,)](ids, rows, owner, expert, numel, BLOCK_M=block_m, K=k,
+                                     KP=1 << (k - 1).bit_length())
+        out["expert_tile"][name] = (rows, owner, expert)
     for name, (down, k, shared, gate) in inputs["combine"].items():
         out["combine"][name] = moe_combine_triton(down, k, shared, gate)
     for name, (down, k, shared, gate, residual, weight) in inputs["combine_norm"].items():
@@ -190,8 +205,12 @@ def interpreted(tmp_path_factory):
         if masked_ids:
             ti = ti.masked_fill(torch.rand(ti.shape, generator=gen) < 0.5, -1)
         interleaved[name] = (x, w13, w2, tw, ti, cfg, pw, masked_ids)
+    expert_tile = {}
+    for name, (T, E, k, share) in EXPERT_TILE_CASES.items():
+        ids = random_routing(T, E, k, gen)[1]
+        expert_tile[name] = (ids.masked_fill(torch.rand(ids.shape, generator=gen) < share, -1).flatten(), k)
     inputs = {"moe": moe, "align": align, "combine": combine, "masked": masked, "pairwise": pairwise,
-              "interleaved": interleaved, "combine_norm": combine_norm}
+              "interleaved": interleaved, "combine_norm": combine_norm, "expert_tile": expert_tile}
     return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("interp"), SEED)
 
 
@@ -272,6 +291,33 @@ def test_pairwise_fused_moe_interpreter(interpreted, name):
     x, w13, w2, tw, ti, _ = inputs["pairwise"][name]
     y = outputs["pairwise"][name]
     assert_matches_reference(y, x, reference_moe(x, w13, w2, tw, ti))
+
+
+@pytest.mark.parametrize("name", list(EXPERT_TILE_CASES))
+def test_each_expert_has_one_tile_of_all_its_tokens_interpreter(interpreted, name):
+    """Pairwise steps of several tokens: of the pairs routed to one expert only the first owns a tile, and
+    that tile's row ``r`` is token ``r``'s pair with the expert (none where token ``r`` did not pick it), so
+    each expert is read once and every pair is computed once; masked ids (-1) own nothing."""
+    inputs, outputs = interpreted
+    ids, k = inputs["expert_tile"][name]
+    rows, owner, expert = outputs["expert_tile"][name]
+    numel = ids.numel()
+    ids2 = ids.view(-1, k)
+    for p in range(numel):
+        e = int(ids[p])
+        first = int((ids == e).nonzero()[0]) if e >= 0 else numel
+        assert int(owner[p]) == first, f"pair {p} (expert {e}): owner {int(owner[p])}, expected {first}"
+        assert int(expert[p]) == e
+        if e < 0:
+            continue
+        for r in range(rows.shape[1]):
+            hit = (ids2[r] == e).nonzero() if r < ids2.shape[0] else []
+            want = r * k + int(hit[0]) if len(hit) else numel
+            assert int(rows[p, r]) == want, f"pair {p}, row {r}: {int(rows[p, r])}, expected {want}"
+    owners = {int(owner[p]) for p in range(numel) if int(owner[p]) == p}
+    assert len(owners) == len({int(e) for e in ids if e >= 0}), "one tile per distinct expert"
+    covered = sorted(int(v) for p in owners for v in rows[p] if v < numel)
+    assert covered == [p for p in range(numel) if ids[p] >= 0], "every routed pair in exactly one tile"
 
 
 @pytest.mark.parametrize("name", list(INTERLEAVED_CASES))
@@ -456,7 +502,8 @@ def qwen_weights():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("M,pairwise", [(1, False), (1, True), (4, True), (7, False), (64, False), (512, False)])
+@pytest.mark.parametrize("M,pairwise", [(1, False), (1, True), (4, True), (7, False), (16, True), (32, True),
+                                        (64, False), (64, True), (512, False)])
 @pytest.mark.parametrize("shape", list(QWEN_SHAPES))
 @pytest.mark.parametrize("interleaved", [False, True], ids=["gate-up", "interleaved"])
 def test_fused_moe_bf16_gpu(qwen_weights, shape, M, pairwise, interleaved):
@@ -516,7 +563,7 @@ def test_align_gpu(T, k, E, block_m):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("M,pairwise", [(1, False), (1, True), (2, True), (7, False), (200, False)])
+@pytest.mark.parametrize("M,pairwise", [(1, False), (1, True), (2, True), (7, False), (16, True), (200, False)])
 def test_fused_moe_cuda_graph(qwen_weights, M, pairwise):
     from functools import partial
 
@@ -550,6 +597,20 @@ def test_fused_moe_cuda_graph(qwen_weights, M, pairwise):
 
 
 if __name__ == "__main__" and is_worker(sys.argv):
+    import triton
+    import triton.language as tl
+
+    from moeserve.ops.moe.triton_kernels import expert_tile_rows
+
+    @triton.jit
+    def _expert_tile_probe(ids_ptr, rows_ptr, owner_ptr, expert_ptr, numel, BLOCK_M: tl.constexpr,
+                           K: tl.constexpr, KP: tl.constexpr):
+        pid = tl.program_id(0)
+        rows, expert, owner = expert_tile_rows(ids_ptr, pid, numel, BLOCK_M, K, KP)
+        tl.store(rows_ptr + pid * BLOCK_M + tl.arange(0, BLOCK_M), rows)
+        tl.store(owner_ptr + pid, owner)
+        tl.store(expert_ptr + pid, expert)
+
     _interpreter_worker(sys.argv[2], sys.argv[3])
 
 

@@ -175,6 +175,25 @@ def tile_rows(sorted_token_ids_ptr, expert_ids_ptr, pid_m, num_valid_tokens, BLO
 
 
 @triton.jit
+def expert_tile_rows(topk_ids_ptr, pid_m, num_valid_tokens, BLOCK_SIZE_M: tl.constexpr, ROUTE_K: tl.constexpr,
+                     ROUTE_K_PAD: tl.constexpr):
+    """``(rows, expert, owner)`` of the tile of flat routing pair ``pid_m`` when every token's pairs fit one tile.
+
+    Row ``r`` of the tile is token ``r``'s pair routed to the pair's expert (``num_valid_tokens`` where token
+    ``r`` did not pick it), so the tile covers every token of that expert; ``owner`` is the first pair routed to
+    it (``num_valid_tokens`` for a masked id): only the owner's tile runs, each expert read once per step."""
+    off_expert = tl.load(topk_ids_ptr + pid_m).to(tl.int32)
+    flat = tl.arange(0, BLOCK_SIZE_M)[:, None] * ROUTE_K + tl.arange(0, ROUTE_K_PAD)[None, :]
+    valid = (tl.arange(0, ROUTE_K_PAD)[None, :] < ROUTE_K) & (flat < num_valid_tokens)
+    ids = tl.load(topk_ids_ptr + flat, mask=valid, other=-1).to(tl.int32)
+    match = valid & (ids == off_expert) & (off_expert >= 0)
+    owner = tl.min(tl.min(tl.where(match, flat, num_valid_tokens), axis=1), axis=0)
+    picked = tl.max(match.to(tl.int32), axis=1) > 0
+    offs_token = tl.where(picked, tl.sum(tl.where(match, flat, 0), axis=1), num_valid_tokens).to(tl.int64)
+    return offs_token, off_expert.to(tl.int64), owner
+
+
+@triton.jit
 def store_tile(acc, c_ptr, topk_weights_ptr, offs_token, token_mask, pid_n, N, stride_cm, stride_cn,
                BLOCK_SIZE_N: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr):
     """Write a float32 tile to its rows of ``C`` (scaled by the routed weights when asked), padding skipped."""
@@ -193,25 +212,34 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
                      BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
                      GROUP_SIZE_M: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
                      IEEE_FP32: tl.constexpr, PAIRWISE: tl.constexpr = False, SILU_MUL: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False, ROUTE_K: tl.constexpr = 0, ROUTE_K_PAD: tl.constexpr = 1):
     """Grouped GEMM ``C[s, :] = A[s // top_k, :] @ B[expert(s)]^T`` over expert-sorted rows ``s``.
 
     ``A`` is ``[*, K]``, ``B`` is ``[E, N, K]``, ``C`` is ``[num_valid_tokens, N]``. Rows come from
     ``sorted_token_ids`` in blocks of ``BLOCK_SIZE_M`` sharing one expert; padded rows
     (``>= num_valid_tokens``) are skipped. With ``MUL_ROUTED_WEIGHT`` each row is scaled by
     ``topk_weights[s]`` in fp32 before the cast to ``C``'s dtype. ``EM`` bounds the padded row count.
-    ``PAIRWISE``: one tile per flat routing pair, ``expert_ids`` is the flat ``topk_ids`` (see ``tile_rows``).
+    ``PAIRWISE``: one tile per flat routing pair, ``expert_ids`` is the flat ``topk_ids`` (see ``tile_rows``);
+    with ``ROUTE_K`` (the routing's top-k, the step's tokens at most ``BLOCK_SIZE_M``) the tile of a pair holds
+    every token routed to its expert and runs only for the expert's first pair (see ``expert_tile_rows``).
     ``SILU_MUL``: ``B``'s ``N`` rows are interleaved gate/up pairs and ``C`` has ``N // 2`` columns: the tile's
     columns ``2j`` and ``2j + 1`` (each rounded to ``C``'s dtype first, as a separate activation kernel would
     read them) become ``silu(gate) * up`` in column ``j`` of a half-width tile.
     """
     wait_prior(PDL, LET_NEXT=False)
     pid_m, pid_n = program_tile(EM, N, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
-    if not PAIRWISE:
-        if pid_m * BLOCK_SIZE_M >= tl.load(num_tokens_post_padded_ptr):
+    if PAIRWISE and ROUTE_K > 0:
+        offs_token, off_expert, owner = expert_tile_rows(expert_ids_ptr, pid_m, num_valid_tokens, BLOCK_SIZE_M,
+                                                         ROUTE_K, ROUTE_K_PAD)
+        if owner != pid_m:
             return
-    offs_token, token_mask, off_expert = tile_rows(sorted_token_ids_ptr, expert_ids_ptr, pid_m, num_valid_tokens,
-                                                   BLOCK_SIZE_M, PAIRWISE)
+        token_mask = offs_token < num_valid_tokens
+    else:
+        if not PAIRWISE:
+            if pid_m * BLOCK_SIZE_M >= tl.load(num_tokens_post_padded_ptr):
+                return
+        offs_token, token_mask, off_expert = tile_rows(sorted_token_ids_ptr, expert_ids_ptr, pid_m,
+                                                       num_valid_tokens, BLOCK_SIZE_M, PAIRWISE)
 
     offs_bn = (pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N).to(tl.int64)) % N
     offs_k = tl.arange(0, BLOCK_SIZE_K)
@@ -273,16 +301,18 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t
                             sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
                             num_tokens_post_padded: torch.Tensor, top_k: int, config: dict,
                             max_padded_rows: int | None = None, warmup: bool = False, pairwise: bool = False,
-                            silu_mul: bool = False, tokens: int | None = None):
+                            silu_mul: bool = False, tokens: int | None = None, route_k: int = 0):
     """Launch (or, with ``warmup``, only compile) :func:`fused_moe_kernel` for ``c = a[rows // top_k] @ b[e]^T``.
 
     ``c`` is ``[rows, N]`` with ``rows = len(topk_ids.flatten())``; ``topk_weights`` (flat fp32, ``[rows]``)
     enables routed-weight scaling. ``max_padded_rows`` is an upper bound on ``num_tokens_post_padded``
     that shrinks the grid (defaults to ``len(sorted_token_ids)``). ``pairwise``: ``expert_ids`` is the flat
     ``topk_ids`` and each (token, expert) pair is its own row tile (no alignment; ``sorted_token_ids`` and
-    ``num_tokens_post_padded`` are not read). ``silu_mul``: ``b`` holds interleaved gate/up rows
-    (``interleave_gate_up``) and ``c`` ``[rows, N / 2]`` receives ``silu(gate) * up``. ``tokens``: the step's
-    token count (default ``rows / top_k``), which decides whether it launches with PDL (``moeserve.ops.pdl``).
+    ``num_tokens_post_padded`` are not read); with ``route_k`` (the routing's top-k) the tile of an expert's
+    first pair takes every token routed to that expert, the others none. ``silu_mul``: ``b`` holds interleaved
+    gate/up rows (``interleave_gate_up``) and ``c`` ``[rows, N / 2]`` receives ``silu(gate) * up``. ``tokens``:
+    the step's token count (default ``rows / top_k``), which decides whether it launches with PDL
+    (``moeserve.ops.pdl``).
     """
     num_valid, n = c.shape
     k = b.shape[2]
@@ -291,16 +321,20 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t
         if b.shape[1] != n:
             raise ValueError(f"silu_mul: b has {b.shape[1]} rows per expert, expected {n}")
     meta, opts, em, grid = launch_params(config, n, sorted_token_ids, max_padded_rows)
+    route = {}
     if pairwise:
         meta["BLOCK_SIZE_M"] = PAIRWISE_BLOCK_M
-        em = num_valid * PAIRWISE_BLOCK_M
+        if route_k:
+            meta["BLOCK_SIZE_M"] = max(PAIRWISE_BLOCK_M, triton.next_power_of_2(num_valid // route_k))
+            route = {"ROUTE_K": route_k, "ROUTE_K_PAD": triton.next_power_of_2(route_k)}
+        em = num_valid * meta["BLOCK_SIZE_M"]
         grid = (num_valid * triton.cdiv(n, meta["BLOCK_SIZE_N"]),)
     mul_w = topk_weights is not None
     args = (a, b, c, topk_weights if mul_w else c, sorted_token_ids, expert_ids, num_tokens_post_padded, n, k,
             em, num_valid, top_k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
             c.stride(0), c.stride(1))
     kwargs = dict(meta, MUL_ROUTED_WEIGHT=mul_w, EVEN_K=k % meta["BLOCK_SIZE_K"] == 0,
-                  IEEE_FP32=a.dtype == torch.float32, PAIRWISE=pairwise, SILU_MUL=silu_mul, **opts,
+                  IEEE_FP32=a.dtype == torch.float32, PAIRWISE=pairwise, SILU_MUL=silu_mul, **route, **opts,
                   **launch_kwargs(num_valid // top_k if tokens is None else tokens))
     if warmup:
         return fused_moe_kernel.warmup(*args, grid=grid, **kwargs)
@@ -358,9 +392,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     (written into ``out`` when given). ``config`` holds the Triton tile parameters; ``None`` selects one with
     :func:`get_config`. ``shared``: a shared expert's output, added (gated) in the combine. ``masked_ids``:
     ``topk_ids`` may hold -1 (experts of other ranks), which add nothing. GEMMs accumulate in fp32; no host
-    synchronisation. Steps of at most ``pairwise_max_tokens`` tokens (and no masked ids) skip the alignment:
-    each (token, expert) pair is its own row tile, one launch fewer per layer for the price of reading an
-    expert once per pair that picks it rather than once per step. ``interleaved``: ``w13``'s rows are
+    synchronisation. Steps of at most ``pairwise_max_tokens`` tokens (and no masked ids) skip the alignment
+    (its fill and kernel, two launches per layer): the grid has a row tile per (token, expert) pair; in a step of
+    one token each tile is its pair's row, in a larger one the tile of each expert's first pair takes every
+    token routed to that expert (the step's tokens fit one tile) and the others end at once, so each expert
+    is still read once per step. ``interleaved``: ``w13``'s rows are
     interleaved gate/up pairs (:func:`interleave_gate_up`) and the first GEMM writes the activation itself.
     ``add_norm`` (``moeserve.ops.moe.combine.AddNorm``): the combine also adds the result to its residual and
     returns the RMS norm of that instead.
@@ -380,6 +416,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         config, _ = get_config(t, e, inter, h, top_k, x.dtype)
     rows = t * top_k
     pairwise = t <= pairwise_max_tokens and not masked_ids
+    route_k = top_k if pairwise and t > 1 else 0
     if pairwise:
         expert_ids = topk_ids.reshape(-1)
         sorted_ids = ntpp = expert_ids  # not read
@@ -393,16 +430,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if interleaved:
         act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
         invoke_fused_moe_kernel(x, w13, act, None, sorted_ids, expert_ids, ntpp, top_k, config, max_rows,
-                                pairwise=pairwise, silu_mul=True, tokens=t)
+                                pairwise=pairwise, silu_mul=True, tokens=t, route_k=route_k)
     else:
         gate_up = torch.empty((rows, two_i), dtype=x.dtype, device=x.device)
         invoke_fused_moe_kernel(x, w13, gate_up, None, sorted_ids, expert_ids, ntpp, top_k, config, max_rows,
-                                pairwise=pairwise, tokens=t)
+                                pairwise=pairwise, tokens=t, route_k=route_k)
         act = silu_and_mul(gate_up, tokens=t)
     # rows of a masked id are never written: zero them for the combine's sum
     down = (torch.zeros if masked_ids else torch.empty)((rows, h), dtype=x.dtype, device=x.device)
     invoke_fused_moe_kernel(act, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, config, max_rows,
-                            pairwise=pairwise, tokens=t)
+                            pairwise=pairwise, tokens=t, route_k=route_k)
     return moe_combine(down, top_k, shared, out, add_norm)
 
 
