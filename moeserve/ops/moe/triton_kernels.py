@@ -27,8 +27,6 @@ _META_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M")
 _ALIGN_SINGLE_CHUNK_LIMIT = 1024
 _ALIGN_MAX_CHUNKS = 64
 PAIRWISE_BLOCK_M = 16  # a pair's row tile: one real row (tl.dot needs 16)
-PAIR_TILES_MAX_TOKENS = 16  # unaligned steps of up to this many tokens: a tile per pair (its expert's first)
-EXPERT_TILES_MAX_TOKENS = 64  # larger unaligned steps, up to this many tokens: a row of tiles per expert
 
 
 @triton.jit
@@ -207,14 +205,42 @@ def store_tile(acc, c_ptr, topk_weights_ptr, offs_token, token_mask, pid_n, N, s
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=token_mask[:, None] & (offs_cn[None, :] < N))
 
 
-@triton.jit
-def gemm_tile(a_ptr, b_ptr, c_ptr, topk_weights_ptr, offs_token, token_mask, off_expert, pid_n, N, K, top_k,
-              stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-              BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
-              MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, IEEE_FP32: tl.constexpr,
-              SILU_MUL: tl.constexpr, PDL: tl.constexpr):
-    """One output tile of :func:`fused_moe_kernel`: rows ``offs_token`` (``token_mask`` the real ones) of expert
-    ``off_expert``, columns tile ``pid_n``."""
+@triton.jit(do_not_specialize=["EM", "num_valid_tokens", "top_k"])
+def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
+                     num_tokens_post_padded_ptr, N, K, EM, num_valid_tokens, top_k,
+                     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+                     GROUP_SIZE_M: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
+                     IEEE_FP32: tl.constexpr, PAIRWISE: tl.constexpr = False, SILU_MUL: tl.constexpr = False,
+                     PDL: tl.constexpr = False, ROUTE_K: tl.constexpr = 0, ROUTE_K_PAD: tl.constexpr = 1):
+    """Grouped GEMM ``C[s, :] = A[s // top_k, :] @ B[expert(s)]^T`` over expert-sorted rows ``s``.
+
+    ``A`` is ``[*, K]``, ``B`` is ``[E, N, K]``, ``C`` is ``[num_valid_tokens, N]``. Rows come from
+    ``sorted_token_ids`` in blocks of ``BLOCK_SIZE_M`` sharing one expert; padded rows
+    (``>= num_valid_tokens``) are skipped. With ``MUL_ROUTED_WEIGHT`` each row is scaled by
+    ``topk_weights[s]`` in fp32 before the cast to ``C``'s dtype. ``EM`` bounds the padded row count.
+    ``PAIRWISE``: one tile per flat routing pair, ``expert_ids`` is the flat ``topk_ids`` (see ``tile_rows``);
+    with ``ROUTE_K`` (the routing's top-k, the step's tokens at most ``BLOCK_SIZE_M``) the tile of a pair holds
+    every token routed to its expert and runs only for the expert's first pair (see ``expert_tile_rows``).
+    ``SILU_MUL``: ``B``'s ``N`` rows are interleaved gate/up pairs and ``C`` has ``N // 2`` columns: the tile's
+    columns ``2j`` and ``2j + 1`` (each rounded to ``C``'s dtype first, as a separate activation kernel would
+    read them) become ``silu(gate) * up`` in column ``j`` of a half-width tile.
+    """
+    wait_prior(PDL, LET_NEXT=False)
+    pid_m, pid_n = program_tile(EM, N, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
+    if PAIRWISE and ROUTE_K > 0:
+        offs_token, off_expert, owner = expert_tile_rows(expert_ids_ptr, pid_m, num_valid_tokens, BLOCK_SIZE_M,
+                                                         ROUTE_K, ROUTE_K_PAD)
+        if owner != pid_m:
+            return
+        token_mask = offs_token < num_valid_tokens
+    else:
+        if not PAIRWISE:
+            if pid_m * BLOCK_SIZE_M >= tl.load(num_tokens_post_padded_ptr):
+                return
+        offs_token, token_mask, off_expert = tile_rows(sorted_token_ids_ptr, expert_ids_ptr, pid_m,
+                                                       num_valid_tokens, BLOCK_SIZE_M, PAIRWISE)
+
     offs_bn = (pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N).to(tl.int64)) % N
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     a_ptrs = a_ptr + (offs_token[:, None] // top_k * stride_am + offs_k[None, :] * stride_ak)
@@ -247,65 +273,6 @@ def gemm_tile(a_ptr, b_ptr, c_ptr, topk_weights_ptr, offs_token, token_mask, off
                    MUL_ROUTED_WEIGHT)
 
 
-@triton.jit(do_not_specialize=["EM", "num_valid_tokens", "top_k"])
-def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
-                     num_tokens_post_padded_ptr, N, K, EM, num_valid_tokens, top_k,
-                     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-                     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
-                     GROUP_SIZE_M: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
-                     IEEE_FP32: tl.constexpr, PAIRWISE: tl.constexpr = False, SILU_MUL: tl.constexpr = False,
-                     PDL: tl.constexpr = False, ROUTE_K: tl.constexpr = 0, ROUTE_K_PAD: tl.constexpr = 1,
-                     EXPERT_TILES: tl.constexpr = False, NUMEL_PAD: tl.constexpr = 1):
-    """Grouped GEMM ``C[s, :] = A[s // top_k, :] @ B[expert(s)]^T`` over expert-sorted rows ``s``.
-
-    ``A`` is ``[*, K]``, ``B`` is ``[E, N, K]``, ``C`` is ``[num_valid_tokens, N]``. Rows come from
-    ``sorted_token_ids`` in blocks of ``BLOCK_SIZE_M`` sharing one expert; padded rows
-    (``>= num_valid_tokens``) are skipped. With ``MUL_ROUTED_WEIGHT`` each row is scaled by
-    ``topk_weights[s]`` in fp32 before the cast to ``C``'s dtype. ``EM`` bounds the padded row count.
-    ``PAIRWISE``: one tile per flat routing pair, ``expert_ids`` is the flat ``topk_ids`` (see ``tile_rows``);
-    with ``ROUTE_K`` (the routing's top-k, the step's tokens at most ``BLOCK_SIZE_M``) the tile of a pair holds
-    every token routed to its expert and runs only for the expert's first pair (see ``expert_tile_rows``).
-    ``EXPERT_TILES``: no sorted routing either; row ``pid_m`` of the grid is expert ``pid_m``, whose program finds
-    the pairs routed to it in the flat ``topk_ids`` (passed as ``expert_ids``, ``NUMEL_PAD`` a power of two
-    ``>= num_valid_tokens``) and runs their tiles of ``BLOCK_SIZE_M`` rows one after the other.
-    ``SILU_MUL``: ``B``'s ``N`` rows are interleaved gate/up pairs and ``C`` has ``N // 2`` columns: the tile's
-    columns ``2j`` and ``2j + 1`` (each rounded to ``C``'s dtype first, as a separate activation kernel would
-    read them) become ``silu(gate) * up`` in column ``j`` of a half-width tile.
-    """
-    wait_prior(PDL, LET_NEXT=False)
-    pid_m, pid_n = program_tile(EM, N, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
-    if EXPERT_TILES:
-        flat = tl.arange(0, NUMEL_PAD)
-        mine = (tl.load(expert_ids_ptr + flat, mask=flat < num_valid_tokens, other=-1) == pid_m).to(tl.int32)
-        count = tl.sum(mine, axis=0)
-        rank = tl.cumsum(mine, axis=0) - mine  # of each of the expert's pairs among them
-        for first in range(0, count, BLOCK_SIZE_M):
-            want = first + tl.arange(0, BLOCK_SIZE_M)
-            hit = (mine[None, :] > 0) & (rank[None, :] == want[:, None])
-            offs_token = tl.where(want < count, tl.sum(tl.where(hit, flat[None, :], 0), axis=1),
-                                  num_valid_tokens).to(tl.int64)
-            gemm_tile(a_ptr, b_ptr, c_ptr, topk_weights_ptr, offs_token, offs_token < num_valid_tokens,
-                      pid_m.to(tl.int64), pid_n, N, K, top_k, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
-                      stride_cm, stride_cn, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, MUL_ROUTED_WEIGHT, EVEN_K,
-                      IEEE_FP32, SILU_MUL, PDL)
-    else:
-        if PAIRWISE and ROUTE_K > 0:
-            offs_token, off_expert, owner = expert_tile_rows(expert_ids_ptr, pid_m, num_valid_tokens, BLOCK_SIZE_M,
-                                                             ROUTE_K, ROUTE_K_PAD)
-            if owner != pid_m:
-                return
-            token_mask = offs_token < num_valid_tokens
-        else:
-            if not PAIRWISE:
-                if pid_m * BLOCK_SIZE_M >= tl.load(num_tokens_post_padded_ptr):
-                    return
-            offs_token, token_mask, off_expert = tile_rows(sorted_token_ids_ptr, expert_ids_ptr, pid_m,
-                                                           num_valid_tokens, BLOCK_SIZE_M, PAIRWISE)
-        gemm_tile(a_ptr, b_ptr, c_ptr, topk_weights_ptr, offs_token, token_mask, off_expert, pid_n, N, K, top_k,
-                  stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, BLOCK_SIZE_M,
-                  BLOCK_SIZE_N, BLOCK_SIZE_K, MUL_ROUTED_WEIGHT, EVEN_K, IEEE_FP32, SILU_MUL, PDL)
-
-
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """``out[r, :] = silu(x[r, :I]) * x[r, I:2I]``, computed in fp32."""
@@ -334,8 +301,7 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t
                             sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
                             num_tokens_post_padded: torch.Tensor, top_k: int, config: dict,
                             max_padded_rows: int | None = None, warmup: bool = False, pairwise: bool = False,
-                            silu_mul: bool = False, tokens: int | None = None, route_k: int = 0,
-                            expert_tiles: bool = False):
+                            silu_mul: bool = False, tokens: int | None = None, route_k: int = 0):
     """Launch (or, with ``warmup``, only compile) :func:`fused_moe_kernel` for ``c = a[rows // top_k] @ b[e]^T``.
 
     ``c`` is ``[rows, N]`` with ``rows = len(topk_ids.flatten())``; ``topk_weights`` (flat fp32, ``[rows]``)
@@ -343,9 +309,7 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t
     that shrinks the grid (defaults to ``len(sorted_token_ids)``). ``pairwise``: ``expert_ids`` is the flat
     ``topk_ids`` and each (token, expert) pair is its own row tile (no alignment; ``sorted_token_ids`` and
     ``num_tokens_post_padded`` are not read); with ``route_k`` (the routing's top-k) the tile of an expert's
-    first pair takes every token routed to that expert, the others none. ``expert_tiles``: as ``pairwise``, but the
-    grid has a row of tiles per expert, which takes the pairs routed to it 16 at a time. ``silu_mul``: ``b`` holds
-    interleaved
+    first pair takes every token routed to that expert, the others none. ``silu_mul``: ``b`` holds interleaved
     gate/up rows (``interleave_gate_up``) and ``c`` ``[rows, N / 2]`` receives ``silu(gate) * up``. ``tokens``:
     the step's token count (default ``rows / top_k``), which decides whether it launches with PDL
     (``moeserve.ops.pdl``).
@@ -358,12 +322,7 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t
             raise ValueError(f"silu_mul: b has {b.shape[1]} rows per expert, expected {n}")
     meta, opts, em, grid = launch_params(config, n, sorted_token_ids, max_padded_rows)
     route = {}
-    if expert_tiles:
-        meta["BLOCK_SIZE_M"] = PAIRWISE_BLOCK_M
-        em = b.shape[0] * PAIRWISE_BLOCK_M
-        grid = (b.shape[0] * triton.cdiv(n, meta["BLOCK_SIZE_N"]),)
-        route = {"EXPERT_TILES": True, "NUMEL_PAD": triton.next_power_of_2(num_valid)}
-    elif pairwise:
+    if pairwise:
         meta["BLOCK_SIZE_M"] = PAIRWISE_BLOCK_M
         if route_k:
             meta["BLOCK_SIZE_M"] = max(PAIRWISE_BLOCK_M, triton.next_power_of_2(num_valid // route_k))
@@ -434,13 +393,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     :func:`get_config`. ``shared``: a shared expert's output, added (gated) in the combine. ``masked_ids``:
     ``topk_ids`` may hold -1 (experts of other ranks), which add nothing. GEMMs accumulate in fp32; no host
     synchronisation. Steps of at most ``pairwise_max_tokens`` tokens (and no masked ids) skip the alignment
-    (its fill and kernel, two launches per layer). Up to ``PAIR_TILES_MAX_TOKENS`` tokens the grid has a row
-    tile per (token, expert) pair: in a step of one token each tile is its pair's row, in a larger one the tile
-    of each expert's first pair takes every token routed to that expert (the step's tokens fit one tile) and the
-    others end at once. Above that (up to ``EXPERT_TILES_MAX_TOKENS``) the grid has a row of tiles per expert,
-    each taking its expert's pairs 16 at a time. Either way each expert is read once per step. ``interleaved``:
-    ``w13``'s rows are interleaved gate/up pairs (:func:`interleave_gate_up`) and the first GEMM writes the
-    activation itself.
+    (its fill and kernel, two launches per layer): the grid has a row tile per (token, expert) pair; in a step of
+    one token each tile is its pair's row, in a larger one the tile of each expert's first pair takes every
+    token routed to that expert (the step's tokens fit one tile) and the others end at once, so each expert
+    is still read once per step. ``interleaved``: ``w13``'s rows are
+    interleaved gate/up pairs (:func:`interleave_gate_up`) and the first GEMM writes the activation itself.
     ``add_norm`` (``moeserve.ops.moe.combine.AddNorm``): the combine also adds the result to its residual and
     returns the RMS norm of that instead.
     """
@@ -458,9 +415,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if config is None:
         config, _ = get_config(t, e, inter, h, top_k, x.dtype)
     rows = t * top_k
-    pairwise = t <= pairwise_max_tokens and not masked_ids and t <= EXPERT_TILES_MAX_TOKENS
-    expert_tiles = pairwise and t > PAIR_TILES_MAX_TOKENS
-    route_k = top_k if pairwise and 1 < t <= PAIR_TILES_MAX_TOKENS else 0
+    pairwise = t <= pairwise_max_tokens and not masked_ids
+    route_k = top_k if pairwise and t > 1 else 0
     if pairwise:
         expert_ids = topk_ids.reshape(-1)
         sorted_ids = ntpp = expert_ids  # not read
@@ -474,17 +430,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if interleaved:
         act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
         invoke_fused_moe_kernel(x, w13, act, None, sorted_ids, expert_ids, ntpp, top_k, config, max_rows,
-                                pairwise=pairwise, silu_mul=True, tokens=t, route_k=route_k,
-                                expert_tiles=expert_tiles)
+                                pairwise=pairwise, silu_mul=True, tokens=t, route_k=route_k)
     else:
         gate_up = torch.empty((rows, two_i), dtype=x.dtype, device=x.device)
         invoke_fused_moe_kernel(x, w13, gate_up, None, sorted_ids, expert_ids, ntpp, top_k, config, max_rows,
-                                pairwise=pairwise, tokens=t, route_k=route_k, expert_tiles=expert_tiles)
+                                pairwise=pairwise, tokens=t, route_k=route_k)
         act = silu_and_mul(gate_up, tokens=t)
     # rows of a masked id are never written: zero them for the combine's sum
     down = (torch.zeros if masked_ids else torch.empty)((rows, h), dtype=x.dtype, device=x.device)
     invoke_fused_moe_kernel(act, w2, down, weights, sorted_ids, expert_ids, ntpp, 1, config, max_rows,
-                            pairwise=pairwise, tokens=t, route_k=route_k, expert_tiles=expert_tiles)
+                            pairwise=pairwise, tokens=t, route_k=route_k)
     return moe_combine(down, top_k, shared, out, add_norm)
 
 
