@@ -438,8 +438,9 @@ def test_fp8_tuning_keeps_block_k_a_divisor_of_128_and_writes_the_table_the_kern
 
 
 def test_tuner_times_the_layout_the_engine_runs(monkeypatch):
-    """bf16 experts are tuned interleaved (activation in the epilogue, one-token steps pairwise) as the backend
-    stores them; the reference reads the interleaved rows back in gate-then-up order."""
+    """bf16 experts are tuned interleaved (activation in the epilogue, steps of up to 16 tokens unaligned) as the
+    engine runs them by default; the reference reads the interleaved rows back in gate-then-up order."""
+    from moeserve.config import EngineConfig
     from moeserve.ops.moe import tune_triton as tt
     g = torch.Generator().manual_seed(1)
     E, I, H, k, M = 4, 32, 64, 2, 3
@@ -456,7 +457,8 @@ def test_tuner_times_the_layout_the_engine_runs(monkeypatch):
     monkeypatch.setattr(tt, "fused_moe", lambda x, w13, w2, *a, **kw: calls.append((type(w13), kw)))
     tt.run_moe(x, marked, w2, tw, ti, {})
     tt.run_moe(x, w13, w2, tw, ti, {})
-    assert calls[0][0] is torch.Tensor and calls[0][1]["interleaved"] and calls[0][1]["pairwise_max_tokens"] == 1
+    assert calls[0][0] is torch.Tensor and calls[0][1]["interleaved"]
+    assert calls[0][1]["pairwise_max_tokens"] == EngineConfig().moe_pairwise_max_tokens == 16
     assert not calls[1][1]["interleaved"] and calls[1][1]["pairwise_max_tokens"] == 0
     assert not tt.parse_args(["--shapes", "qwen1.5"])[0].gate_then_up
 

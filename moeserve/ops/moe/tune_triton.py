@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import triton
 
+from moeserve.config import EngineConfig
 from moeserve.quant.fp8 import (BLOCK, block_dequant_fp8, block_quant_fp8, per_token_group_dequant,
                                 per_token_group_quant_fp8)
 
@@ -47,6 +48,7 @@ SPACE = dict(BLOCK_SIZE_M=(16, 32, 64, 128), BLOCK_SIZE_N=(32, 64, 128, 256), BL
              GROUP_SIZE_M=(1, 16, 32), num_warps=(4, 8), num_stages=(2, 3, 4, 5))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, FP8_CONFIG_TAG: torch.bfloat16}  # activation dtypes
 REL_ERR_LIMIT = 2e-2
+ENGINE_PAIRWISE_MAX_TOKENS = EngineConfig.model_fields["moe_pairwise_max_tokens"].default
 REL_ERR_LIMIT_FP8 = 2.5e-2  # against the reference above (tests/test_gpu_fp8.py uses the same bound)
 SECONDS_PER_PAIR_RESERVE = 0.4
 TARGET_REPLAY_US = 300.0
@@ -144,13 +146,14 @@ def interleaved(w13: torch.Tensor) -> torch.Tensor:
 
 
 def run_moe(x, w13, w2, topk_weights, topk_ids, cfg: dict, out=None) -> torch.Tensor:
-    """The kernel being tuned: ``fused_moe`` as the engine calls it (interleaved gate/up rows where ``w13`` is
-    marked so, one row tile per pair for one-token steps), or ``fused_moe_fp8`` for FP8 experts."""
+    """The kernel being tuned: ``fused_moe`` as the engine calls it by default (interleaved gate/up rows where
+    ``w13`` is marked so, steps of up to ``moe_pairwise_max_tokens`` tokens without the alignment), or
+    ``fused_moe_fp8`` for FP8 experts."""
     if is_fp8(w13):
         return fused_moe_fp8(x, w13[0], w13[1], w2[0], w2[1], topk_weights, topk_ids, config=cfg, out=out)
     inter = isinstance(w13, Interleaved)
     return fused_moe(x, w13.as_subclass(torch.Tensor), w2, topk_weights, topk_ids, config=cfg, out=out,
-                     interleaved=inter, pairwise_max_tokens=1 if inter else 0)
+                     interleaved=inter, pairwise_max_tokens=ENGINE_PAIRWISE_MAX_TOKENS if inter else 0)
 
 
 def fp8_fits(cfg: dict) -> bool:
