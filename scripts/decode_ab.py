@@ -1,10 +1,13 @@
 """Offline decode throughput of whichever moeserve is importable, on one checkpoint: for comparing two commits
-of moeserve with the same script, weights and shapes (the benchmark's own command changed between them).
+or two options of moeserve with the same script, weights and shapes.
 
-For each concurrency c: c random prompts of ``--prompt-len`` tokens, greedy, ``ignore_eos``; one pass with
-``--output-len`` tokens and one with a single token (the prefill alone), each timed after a warm-up pass of
-the same shape. Decode tok/s = c * (output_len - 1) / (t_full - t_first_token_only); medians of ``--runs``
-(the JSON line also lists every run's time, to tell a slow process from a slow run).
+For each concurrency c, each run (after one warm-up run) is the benchmark's own decode cell
+(``moeserve.bench.workloads``): c random prompts of ``--prompt-len`` tokens, greedy, ``ignore_eos``,
+``--output-len`` tokens, driven step by step; with ``t_1`` the time every request has its first token and
+``t_N`` its last, decode tok/s = c * (N - 1) / (t_N - t_1), the median of ``--runs``. The JSON line also lists
+every run's rate and TTFT, to tell a slow process from a slow run. (Until 2026-12-01 the script timed a pass of
+N tokens and a separate pass of one token and divided by the difference, which let the prefill's spread between
+processes, 18 to 44 ms at c=1, into the decode rate.)
 
     python scripts/decode_ab.py --model CKPT_DIR --concurrency 1 8 32 [--set kernel_cache_dir=DIR]
 """
@@ -12,9 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import statistics
-import time
 
 import yaml
 
@@ -39,33 +39,24 @@ def main() -> int:
         for section in sections:
             node = node.setdefault(section, {})
         node[name] = yaml.safe_load(v) if v.strip() else ""
-    import torch
-
-    from moeserve import LLM, SamplingParams
+    from moeserve import LLM
+    from moeserve.bench.engine_driver import MoeserveAdapter
+    from moeserve.bench.workloads import WorkloadCase, run_case
     llm = LLM(model=args.model, **opts)
-    rng = random.Random(0)
+    adapter = MoeserveAdapter(llm.engine)
+    vocab = llm.engine.arch.vocab_size
     rows = []
     for c in args.concurrency:
-        def timed(n_out):
-            prompts = [{"prompt_token_ids": [rng.randrange(10, 100000) for _ in range(args.prompt_len)]}
-                       for _ in range(c)]
-            sp = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            llm.generate(prompts, sp)
-            torch.cuda.synchronize()
-            return time.perf_counter() - t0
-        timed(args.output_len)
-        timed(1)
-        fulls = [timed(args.output_len) for _ in range(args.runs)]
-        firsts = [timed(1) for _ in range(args.runs)]
-        full, first = statistics.median(fulls), statistics.median(firsts)
-        tok_s = c * (args.output_len - 1) / (full - first)
-        rows.append({"concurrency": c, "decode_tok_s": round(tok_s, 1), "full_s": round(full, 4),
-                     "prefill_s": round(first, 4), "full_runs_s": [round(f, 4) for f in fulls],
-                     "prefill_runs_s": [round(f, 4) for f in firsts]})
-        print(f"{args.label} c={c}: decode {tok_s:.1f} tok/s (full {full * 1e3:.1f} ms, prefill {first * 1e3:.1f} ms)",
-              flush=True)
+        case = WorkloadCase("decode", c, args.prompt_len, args.output_len)
+        row = run_case(adapter, case, vocab, args.runs, 1)
+        runs = [r["metrics"] for r in row["runs"]]
+        rows.append({"concurrency": c, "decode_tok_s": round(row["decode_tok_s"], 1),
+                     "ttft_s": round(row["ttft_s"], 4), "e2e_s": round(row["e2e_s"], 4),
+                     "decode_runs_tok_s": [round(m["decode_tok_s"], 1) for m in runs],
+                     "ttft_runs_s": [round(m["ttft_s"], 4) for m in runs],
+                     "e2e_runs_s": [round(m["e2e_s"], 4) for m in runs]})
+        print(f"{args.label} c={c}: decode {row['decode_tok_s']:.1f} tok/s (TTFT {row['ttft_s'] * 1e3:.1f} ms, "
+              f"end to end {row['e2e_s'] * 1e3:.1f} ms)", flush=True)
     print(json.dumps({"label": args.label, "rows": rows}))
     return 0
 
