@@ -33,6 +33,7 @@ def test_the_engine_runs_in_a_child_process(model_dir):
         assert core != os.getpid() and info["front_end_pid"] == os.getpid()
         assert parent_of(core) == os.getpid(), "the engine core is a child of the HTTP process"
         assert srv.app.state.server.client.pid == core
+        assert info["engine"]["gc_frozen_objects"] > 10_000, "the startup heap is frozen out of collections"
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True})
         assert r.json()["usage"]["completion_tokens"] == 4
     deadline = time.monotonic() + 10
