@@ -214,7 +214,8 @@ class EngineConfig(_Strict):
     moe_pairwise_max_tokens: int = Field(
         16, ge=0, le=64, description="Triton MoE: steps of at most this many tokens skip the expert alignment (its "
         "fill and kernel): one row tile per (token, expert) pair, and in steps of several tokens the tile of each "
-        "expert's first pair takes every token routed to that expert (the others end at once); 0 always aligns")
+        "expert's first pair takes every token routed to that expert (the others end at once); the tile is as tall "
+        "as the step, and above 16 tokens that was slower than aligning on an H200; 0 always aligns")
     router_split_k_max_tokens: int = Field(
         64, ge=0, le=64, description="fused (Triton) softmax/Llama-4 routing: steps of at most this many tokens run "
         "the router's GEMM as moeserve's split-K kernel, its partial sums added by the routing kernel (cuBLAS runs "
