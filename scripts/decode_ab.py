@@ -6,8 +6,8 @@ For each concurrency c, each run (after one warm-up run) is the benchmark's own 
 ``--output-len`` tokens, driven step by step; with ``t_1`` the time every request has its first token and
 ``t_N`` its last, decode tok/s = c * (N - 1) / (t_N - t_1), the median of ``--runs``. The JSON line also lists
 every run's rate and TTFT, to tell a slow process from a slow run. (Until 2026-12-01 the script timed a pass of
-N tokens and a separate pass of one token and divided by the difference, which let the prefill's spread between
-processes, 17 to 44 ms at c=1, into the decode rate.)
+N tokens and a separate pass of one token and divided by the difference; the one-token pass took 17 to 44 ms at
+c=1 depending on the process, and wherever that differed from the prefill inside the long pass the rate was off.)
 
     python scripts/decode_ab.py --model CKPT_DIR --concurrency 1 8 32 [--set kernel_cache_dir=DIR]
 """
