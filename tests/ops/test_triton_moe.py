@@ -10,6 +10,7 @@ replay one).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -54,6 +55,7 @@ ALIGN_CASES = {
     "T0": (0, 2, 8, 16, torch.int32),
     "multi-chunk-E8": (600, 2, 8, 16, torch.int32),
     "multi-chunk-E128": (300, 8, 128, 32, torch.int64),
+    "T40-E60-bm128": (40, 4, 60, 128, torch.int32),  # padding runs past the first 1024-slot stretch
 }
 # name: (T, k, H, dtype, shared expert, sigmoid gate): the combine kernel (sum over top-k + gated shared add)
 COMBINE_CASES = {
@@ -126,6 +128,21 @@ def check_alignment(sorted_ids, expert_ids, ntpp, topk_ids, block_m, E):
         assert torch.equal(toks, toks.sort().values)
 
 
+@contextlib.contextmanager
+def poisoned_empty():
+    """``torch.empty`` returns memory filled with -7 inside the block: the alignment writes its own padding,
+    so a slot it leaves unwritten must show up as a wrong value, not as a lucky zero."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        return real(*args, **kwargs).fill_(-7)
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real
+
+
 # ---------------------------------------------------------------- CPU: Triton interpreter
 
 def _interpreter_worker(in_path: str, out_path: str) -> None:
@@ -154,7 +171,8 @@ def _interpreter_worker(in_path: str, out_path: str) -> None:
     for name, (x, w13, w2, tw, ti, cfg) in inputs["moe"].items():
         out["moe"][name] = fused_moe(x, w13, w2, tw, ti, config=cfg)
     for name, (ids, block_m, E) in inputs["align"].items():
-        out["align"][name] = moe_align_block_size(ids, block_m, E)
+        with poisoned_empty():
+            out["align"][name] = moe_align_block_size(ids, block_m, E)
     for name, (x, w13, w2, tw, ti) in inputs["masked"].items():
         out["masked"][name] = fused_moe(x, w13, w2, tw, ti, masked_ids=True)
     for name, (x, w13, w2, tw, ti, cfg) in inputs["pairwise"].items():
@@ -557,7 +575,8 @@ def test_align_gpu(T, k, E, block_m):
     ids = random_routing(T, E, k, gen, "cuda")[1]
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = moe_align_block_size(ids, block_m, E)
+        with poisoned_empty():
+            out = moe_align_block_size(ids, block_m, E)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     check_alignment(*out, ids, block_m, E)

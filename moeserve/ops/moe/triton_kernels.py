@@ -58,12 +58,16 @@ def _moe_count_kernel(ids_ptr, hist_ptr, numel, chunk, E, E_PAD: tl.constexpr, T
 @triton.jit(do_not_specialize=["numel", "chunk", "num_chunks", "block_m", "num_blocks"])
 def _moe_align_kernel(ids_ptr, hist_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, numel, chunk, num_chunks, E,
                       block_m, num_blocks, E_PAD: tl.constexpr, NC_PAD: tl.constexpr, TILE: tl.constexpr,
-                      FUSED_COUNT: tl.constexpr, PDL: tl.constexpr = False):
+                      FUSED_COUNT: tl.constexpr, BM_PAD: tl.constexpr, PAD_TILE: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """Scatter chunk ``pid`` of the flat routing into expert-sorted, block-padded order.
 
     Every program derives the padded per-expert layout from the histogram (or counts the whole routing
     itself when ``FUSED_COUNT``, which requires a single chunk), writes its share of the block-to-expert
-    map, and places each of its tokens at ``start[e] + (tokens of e before it)``.
+    map, and places each of its tokens at ``start[e] + (tokens of e before it)``. Program 0 also writes the
+    padding (``numel``) into every slot no token takes: each expert's last ``padded - count`` slots and all
+    slots past the padded total, so ``sorted`` needs no fill beforehand (``BM_PAD``: ``block_m`` rounded up
+    to a power of two).
     """
     wait_prior(PDL)
     pid = tl.program_id(0)
@@ -82,6 +86,12 @@ def _moe_align_kernel(ids_ptr, hist_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, n
     total = tl.sum(padded, axis=0)
     if pid == 0:
         tl.store(ntpp_ptr, total)
+        tail = tl.arange(0, BM_PAD)[None, :]
+        tl.store(sorted_ptr + (ends - padded + counts)[:, None] + tail, numel,
+                 mask=(experts[:, None] < E) & (tail < (padded - counts)[:, None]))
+        for p0 in range(total, numel + E * (block_m - 1), PAD_TILE):
+            slots = p0 + tl.arange(0, PAD_TILE)
+            tl.store(sorted_ptr + slots, numel, mask=slots < numel + E * (block_m - 1))
 
     for b0 in range(pid * TILE, num_blocks, num_chunks * TILE):
         blocks = b0 + tl.arange(0, TILE)
@@ -122,7 +132,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
     device = ids.device
     max_padded = numel + num_experts * (block_m - 1)
     num_blocks = max_padded // block_m
-    sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=device)
+    sorted_ids = torch.empty((max_padded,), dtype=torch.int32, device=device)  # padding: the align kernel's
     expert_ids = torch.empty((num_blocks,), dtype=torch.int32, device=device)
     ntpp = torch.empty((1,), dtype=torch.int32, device=device)
     e_pad = triton.next_power_of_2(max(num_experts, 2))
@@ -139,7 +149,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
     _moe_align_kernel[(num_chunks,)](ids, hist, sorted_ids, expert_ids, ntpp, numel, chunk, num_chunks,
                                      num_experts, block_m, num_blocks, E_PAD=e_pad,
                                      NC_PAD=triton.next_power_of_2(num_chunks), TILE=tile,
-                                     FUSED_COUNT=fused_count, num_warps=4, **launch_kwargs(tokens))
+                                     FUSED_COUNT=fused_count, BM_PAD=triton.next_power_of_2(block_m),
+                                     PAD_TILE=1024, num_warps=4, **launch_kwargs(tokens))
     return sorted_ids, expert_ids, ntpp
 
 
