@@ -21,7 +21,8 @@ def use_kernel_cache(path: str | Path, hw) -> dict:
     Checks the manifest against the installed FlashInfer (version and git commit) and ``hw``'s first GPU
     (architecture) and raises ``KernelCacheError`` naming both sides when they differ. Then sets
     ``FLASHINFER_WORKSPACE_BASE`` and ``FLASHINFER_CUDA_ARCH_LIST`` and has moeserve's JIT hook load the
-    manifest's modules from the cache. Returns a summary for the start-up log.
+    manifest's modules from the cache (installing the hook, so that any later ``import flashinfer`` in the
+    process goes through it). Returns a summary for the start-up log.
     """
     base = Path(path).expanduser().resolve()
     where = f"kernel_cache_dir {base}"
@@ -46,6 +47,9 @@ def use_kernel_cache(path: str | Path, hw) -> dict:
     os.environ["FLASHINFER_WORKSPACE_BASE"] = str(base)
     os.environ["FLASHINFER_CUDA_ARCH_LIST"] = arch.name
     jit_hook.set_kernel_cache(base, manifest)
+    # FlashInfer's own loader, imported without the hook, runs ninja in the workspace for every module, and the
+    # cache holds no build files: it would compile each module again over the cache's .so (then unusable).
+    jit_hook.install()
     modules = manifest.get("modules", [])
     missing = [m["name"] for m in modules if not (base / m["so"]).is_file()]
     summary = {"path": str(base), "flashinfer_version": manifest["flashinfer_version"], "arch": arch.name,

@@ -329,6 +329,25 @@ def test_importing_flashinfer_after_flashinfer_env_installs_the_hook_and_adopts_
     assert out.stdout.startswith("True {'root': '" + str(tmp_path)) and "['norm']" in out.stdout
 
 
+@needs_flashinfer
+def test_flashinfer_imported_after_use_kernel_cache_loads_through_the_hook(tmp_path):
+    """A process that points FlashInfer at the cache and then imports FlashInfer itself (as a test calling
+    ``flashinfer.norm`` does) must go through the hook: FlashInfer's own loader would run ninja in the cache
+    for the module and compile it again over the cache's copy."""
+    manifest = fake_cache(tmp_path, version=FI_VERSION, git=flashinfer_git_version(), names=("norm",))
+    code = ("from moeserve.hardware import GPUInfo, HardwareInfo\n"
+            "from moeserve.kernel_cache import use_kernel_cache, jit_hook\n"
+            "h200 = GPUInfo(0, 'NVIDIA H200', (9, 0), 1 << 37, 132)\n"
+            "use_kernel_cache(sys.argv[1], HardwareInfo('cuda', gpus=[h200]))\n"
+            "import flashinfer.jit.core as c\n"
+            "print(getattr(c.JitSpec.build_and_load, 'moeserve_wrapper', False), jit_hook.cache_lookup('norm'))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHINFER_")}
+    out = subprocess.run([sys.executable, "-c", "import sys\n" + code, str(tmp_path)], capture_output=True,
+                         text=True, env=env, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", str(tmp_path.resolve() / manifest["modules"][0]["so"])]
+
+
 # --- precompile and install-kernels command lines --------------------------------------------------
 
 def test_precompile_without_gpu_or_arch_asks_for_arch(monkeypatch, capsys):
