@@ -26,6 +26,10 @@ Workloads at concurrency ``c`` (each cell is ``bench.runs`` timed runs after ``b
   TTFT, ``total_tok_s``, ``output_tok_s``, ``request_throughput``, and ``prefix_hit_rate`` = prompt tokens
   found in the engine's prefix cache / prompt tokens (when the adapter reports ``num_cached_tokens``).
 
+Each run also records, to tell where a slow first token comes from, when its first
+``FIRST_STEPS`` steps returned (``first_step_ends_s``) and the Python garbage collections that ran during it
+(``gc``: collections per generation, seconds in them, the longest), timed by ``gc.callbacks``.
+
 ``distinct_token_frac`` (decode, when the adapter can return the tokens it generated): the mean over
 output positions of the number of distinct token ids across the batch divided by the batch size. Random
 (dummy) weights can make greedy decoding collapse onto a few tokens; a batch that decodes the same token
@@ -34,6 +38,7 @@ decode figure is only comparable between engines whose batches are about as dive
 """
 from __future__ import annotations
 
+import gc
 import random
 import statistics
 import time
@@ -45,6 +50,7 @@ MIXED_REQUESTS_PER_SLOT = 3
 TOKEN_ID_LOW = 10  # keep clear of the special ids small vocabularies put first
 TOKEN_ID_HIGH = 32000
 RUN_TIMEOUT_S = 900.0
+FIRST_STEPS = 4  # step return times kept per run
 
 
 class EngineAdapter(Protocol):
@@ -133,9 +139,45 @@ def make_requests(case: WorkloadCase, run_index: int, vocab_size: int) -> list[R
             for i, n in enumerate(lengths)]
 
 
+class GcPauses:
+    """Python garbage collections while the block runs: count per generation, total and longest seconds."""
+
+    def __init__(self):
+        self.collections, self.seconds, self.longest, self._start = [0, 0, 0], 0.0, 0.0, None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            took = time.perf_counter() - self._start
+            self._start = None
+            self.collections[min(int(info.get("generation", 0)), 2)] += 1
+            self.seconds += took
+            self.longest = max(self.longest, took)
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict:
+        return {"collections": list(self.collections), "seconds": self.seconds, "longest_s": self.longest}
+
+
 def run_once(adapter: EngineAdapter, case: WorkloadCase, requests: list[Request],
              clock: Callable[[], float] = time.perf_counter, timeout_s: float = RUN_TIMEOUT_S) -> dict:
-    """Drive one run; returns per-request times (seconds from the first ``add``) and the step count."""
+    """Drive one run; returns per-request times (seconds from the first ``add``), the step count, when the
+    first steps returned and the garbage collections during the run."""
+    with GcPauses() as pauses:
+        run = _drive(adapter, case, requests, clock, timeout_s)
+    run["gc"] = pauses.summary()
+    return run
+
+
+def _drive(adapter: EngineAdapter, case: WorkloadCase, requests: list[Request], clock: Callable[[], float],
+           timeout_s: float) -> dict:
     c = case.concurrency
     pending = list(reversed(requests))
     info = {r.id: {"prompt_len": len(r.prompt), "max_tokens": r.max_tokens, "initial": True} for r in requests}
@@ -153,10 +195,13 @@ def run_once(adapter: EngineAdapter, case: WorkloadCase, requests: list[Request]
     for _ in range(min(c, len(pending))):
         add(True)
     steps = 0
+    step_ends: list[float] = []
     while len(finished) < len(requests):
         outs = adapter.step()
         now = clock()
         steps += 1
+        if steps <= FIRST_STEPS:
+            step_ends.append(now - t0)
         for rid, n, done in outs:
             tt = times[rid]
             if n > len(tt):
@@ -175,7 +220,7 @@ def run_once(adapter: EngineAdapter, case: WorkloadCase, requests: list[Request]
         reqs.append({**info[r.id], "arrival_s": arrival[r.id] - t0, "first_token_s": tt[0] - t0,
                      "nth_token_s": tt[min(len(tt), r.max_tokens) - 1] - t0, "last_token_s": tt[-1] - t0,
                      "num_tokens": len(tt)})
-    run = {"steps": steps, "requests": reqs}
+    run = {"steps": steps, "requests": reqs, "first_step_ends_s": step_ends}
     cached = getattr(adapter, "num_cached_tokens", None)
     if cached is not None and case.workload == "shared-prefix":
         for r, rec in zip(requests, reqs):
@@ -308,6 +353,8 @@ def run_case(adapter: EngineAdapter, case: WorkloadCase, vocab_size: int, runs: 
         run["metrics"] = run_metrics(run, case.workload)
         timed.append(run)
     row = summarize(case, timed)
+    gc_s = max(run["gc"]["seconds"] for run in timed) if timed else 0.0
     log(f"{case.workload:>7} c={case.concurrency:<3} " + "  ".join(
-        f"{k}={row[k]:.4g}" for k in ("ttft_s", "decode_tok_s", "prefill_tok_s", "total_tok_s") if k in row))
+        f"{k}={row[k]:.4g}" for k in ("ttft_s", "decode_tok_s", "prefill_tok_s", "total_tok_s") if k in row)
+        + (f"  gc up to {gc_s * 1e3:.1f} ms in a run" if gc_s >= 1e-3 else ""))
     return row

@@ -102,6 +102,40 @@ def test_static_run_times_every_token_at_step_return():
     assert static_metrics(run, "decode")["decode_tok_s"] == pytest.approx(3 * 4 / 4.0)
 
 
+def test_a_run_keeps_when_its_first_steps_returned():
+    from moeserve.bench.workloads import FIRST_STEPS
+    clock = Clock()
+    case = WorkloadCase("decode", 2, 4, 7)
+    run = run_once(FakeEngine(clock), case, make_requests(case, 0, 100), clock=clock)
+    assert run["first_step_ends_s"] == [float(i) for i in range(1, FIRST_STEPS + 1)]
+    case = WorkloadCase("prefill", 2, 4, 7)
+    clock.now = 10.0
+    assert run_once(FakeEngine(clock), case, make_requests(case, 0, 100), clock=clock)["first_step_ends_s"] == [1.0]
+
+
+def test_a_run_counts_the_garbage_collections_inside_it():
+    import gc
+
+    class Collecting(FakeEngine):
+        def step(self):
+            if self.clock.now == 1.0:
+                gc.collect()  # a full (generation 2) collection inside the second step
+            return super().step()
+    clock = Clock()
+    case = WorkloadCase("decode", 2, 4, 5)
+    callbacks = len(gc.callbacks)
+    run = run_once(Collecting(clock), case, make_requests(case, 0, 100), clock=clock)
+    assert run["gc"]["collections"][2] >= 1
+    assert 0 < run["gc"]["longest_s"] <= run["gc"]["seconds"]
+    assert len(gc.callbacks) == callbacks
+    gc.disable()  # no collection of its own can start during the next run, so it must report none
+    try:
+        quiet = run_once(FakeEngine(clock), case, make_requests(case, 1, 100), clock=clock)
+    finally:
+        gc.enable()
+    assert quiet["gc"] == {"collections": [0, 0, 0], "seconds": 0.0, "longest_s": 0.0}
+
+
 def test_mixed_run_adds_one_request_per_finish_and_keeps_c_in_flight():
     clock = Clock()
     eng = FakeEngine(clock)
@@ -169,8 +203,11 @@ def test_a_run_that_never_finishes_times_out():
         def step(self):
             return []
     case = WorkloadCase("decode", 1, 4, 4)
+    import gc
+    callbacks = len(gc.callbacks)
     with pytest.raises(RuntimeError, match="not finished"):
         run_once(Stuck(), case, make_requests(case, 0, 100), timeout_s=0.05)
+    assert len(gc.callbacks) == callbacks  # the collection timer is removed when a run fails too
 
 
 def test_bad_cases_name_the_problem():
