@@ -1,4 +1,5 @@
 """The offline workloads' arithmetic and arrival rules, on synthetic timings (no engine)."""
+import gc
 import math
 
 import pytest
@@ -114,8 +115,6 @@ def test_a_run_keeps_when_its_first_steps_returned():
 
 
 def test_a_run_counts_the_garbage_collections_inside_it():
-    import gc
-
     class Collecting(FakeEngine):
         def step(self):
             if self.clock.now == 1.0:
@@ -203,7 +202,6 @@ def test_a_run_that_never_finishes_times_out():
         def step(self):
             return []
     case = WorkloadCase("decode", 1, 4, 4)
-    import gc
     callbacks = len(gc.callbacks)
     with pytest.raises(RuntimeError, match="not finished"):
         run_once(Stuck(), case, make_requests(case, 0, 100), timeout_s=0.05)
