@@ -35,6 +35,10 @@ class MoeserveAdapter:
             out.append((s.request_id, len(s.output_token_ids), s.is_finished))
         return out
 
+    def last_step_seconds(self) -> tuple[float, float]:
+        """The last step's host time: scheduling and launching it, then waiting for and handing out tokens."""
+        return self.engine.last_step_seconds
+
     def num_cached_tokens(self, request_id: str) -> int | None:
         """Prompt tokens the request found in the prefix cache."""
         seq = self._seqs.get(request_id)

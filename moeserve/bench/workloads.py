@@ -27,8 +27,10 @@ Workloads at concurrency ``c`` (each cell is ``bench.runs`` timed runs after ``b
   found in the engine's prefix cache / prompt tokens (when the adapter reports ``num_cached_tokens``).
 
 Each run also records, to tell where a slow first token comes from, when its first
-``FIRST_STEPS`` steps returned (``first_step_ends_s``) and the Python garbage collections that ran during it
-(``gc``: collections per generation, seconds in them, the longest), timed by ``gc.callbacks``.
+``FIRST_STEPS`` steps returned (``first_step_ends_s``), for an adapter that reports it how each of them split
+between launching and waiting (``first_step_parts_s``: ``[launch, wait]`` seconds each), and the Python garbage
+collections that ran during it (``gc``: collections per generation, seconds in them, the longest), timed by
+``gc.callbacks``.
 
 ``distinct_token_frac`` (decode, when the adapter can return the tokens it generated): the mean over
 output positions of the number of distinct token ids across the batch divided by the batch size. Random
@@ -196,12 +198,16 @@ def _drive(adapter: EngineAdapter, case: WorkloadCase, requests: list[Request], 
         add(True)
     steps = 0
     step_ends: list[float] = []
+    parts = getattr(adapter, "last_step_seconds", None)
+    step_parts: list[list[float]] = []
     while len(finished) < len(requests):
         outs = adapter.step()
         now = clock()
         steps += 1
         if steps <= FIRST_STEPS:
             step_ends.append(now - t0)
+            if parts is not None:
+                step_parts.append(list(parts()))
         for rid, n, done in outs:
             tt = times[rid]
             if n > len(tt):
@@ -221,6 +227,8 @@ def _drive(adapter: EngineAdapter, case: WorkloadCase, requests: list[Request], 
                      "nth_token_s": tt[min(len(tt), r.max_tokens) - 1] - t0, "last_token_s": tt[-1] - t0,
                      "num_tokens": len(tt)})
     run = {"steps": steps, "requests": reqs, "first_step_ends_s": step_ends}
+    if parts is not None:
+        run["first_step_parts_s"] = step_parts
     cached = getattr(adapter, "num_cached_tokens", None)
     if cached is not None and case.workload == "shared-prefix":
         for r, rec in zip(requests, reqs):

@@ -72,6 +72,7 @@ class LLMEngine:
         self._step_ids = itertools.count()
         self._finished_ids: list[str] = []  # requests gone since the last step, for the runner to forget
         self.stats = {"steps": 0, "mixed_steps": 0, "prefill_chunks": 0, "decode_tokens": 0, "prefill_tokens": 0}
+        self.last_step_seconds = (0.0, 0.0)  # the last step's host time: (schedule and launch, wait and hand out)
         if capture_graphs:
             self.runner.capture_graphs(config.graph_batch_sizes())
         self.runner.warm_up()
@@ -129,6 +130,7 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Launch the next step and hand out the tokens of the one before it (of this one, without
         ``async_scheduling``); returns the sequences that got a token or finished."""
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         prev = self._inflight
         if out.items:
@@ -142,7 +144,10 @@ class LLMEngine:
             self._inflight = None
         if not self.async_scheduling:  # nothing was in flight: receive this step's tokens now
             prev, self._inflight = self._inflight, None
-        return self._receive(*prev) if prev is not None else []
+        t1 = time.perf_counter()
+        touched = self._receive(*prev) if prev is not None else []
+        self.last_step_seconds = (t1 - t0, time.perf_counter() - t1)
+        return touched
 
     def _receive(self, out, launched) -> list[Sequence]:
         result = self.runner.wait(launched)

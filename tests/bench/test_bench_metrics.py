@@ -242,3 +242,14 @@ def test_shared_prefix_on_the_engine_reports_the_hit_rate_and_keeps_c_in_flight(
     reqs = row["runs"][0]["requests"]
     assert len(reqs) == 7 and sum(1 for r in reqs if r["initial"]) == 3
     assert engine.pool.num_free == engine.pool.capacity
+
+
+def test_a_run_keeps_how_its_first_steps_split_when_the_adapter_says():
+    class Timed(FakeEngine):
+        def last_step_seconds(self):
+            return (0.25 * self.clock.now, 0.5)
+    clock = Clock()
+    case = WorkloadCase("decode", 2, 4, 3)
+    run = run_once(Timed(clock), case, make_requests(case, 0, 100), clock=clock)
+    assert run["first_step_parts_s"] == [[0.25, 0.5], [0.5, 0.5], [0.75, 0.5]]
+    assert "first_step_parts_s" not in run_once(FakeEngine(clock), case, make_requests(case, 1, 100), clock=clock)

@@ -132,3 +132,19 @@ def test_builder_feeds_in_flight_tokens_from_the_previous_steps_device_tokens():
     assert mixed.input_ids.tolist() == [70, 10, 11, 12, 13, 14, 15]
     with pytest.raises(RuntimeError, match="previous step"):
         builder.build([ScheduledSeq(b, 5, 1).request()])
+
+
+def test_a_step_reports_how_long_it_launched_and_waited():
+    import time
+    engine = make_engine(True)
+    engine.add_request(list(range(3, 40)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    walls, parts = [], []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t0)
+        parts.append(engine.last_step_seconds)
+    assert len(parts) == 4  # the prefill, two decode steps, and the step that only receives the last token
+    for (launch, wait), wall in zip(parts, walls):
+        assert launch >= 0 and wait >= 0 and launch + wait <= wall
+    assert parts[0][0] > 100 * parts[0][1]  # the first step only launches: nothing of its own is in flight yet
