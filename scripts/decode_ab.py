@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 
-import yaml
-
 
 def main() -> int:
     p = argparse.ArgumentParser()
@@ -30,19 +28,13 @@ def main() -> int:
                    help="engine option key=value or section.key=value (the value read as YAML, as the CLI's --set)")
     p.add_argument("--label", default="")
     args = p.parse_args()
-    opts = dict(dtype="bfloat16", max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=8192,
+    opts = dict(model=args.model, dtype="bfloat16", max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=8192,
                 gpu_memory_utilization=0.85)
-    for kv in args.set:
-        k, v = kv.split("=", 1)
-        *sections, name = k.split(".")  # backends.linear=triton: a field of a nested section
-        node = opts
-        for section in sections:
-            node = node.setdefault(section, {})
-        node[name] = yaml.safe_load(v) if v.strip() else ""
     from moeserve import LLM
     from moeserve.bench.engine_driver import MoeserveAdapter
     from moeserve.bench.workloads import WorkloadCase, run_case
-    llm = LLM(model=args.model, **opts)
+    from moeserve.config import load_config, parse_override
+    llm = LLM(config=load_config(None, opts | dict(parse_override(kv) for kv in args.set)))
     adapter = MoeserveAdapter(llm.engine)
     vocab = llm.engine.arch.vocab_size
     rows = []
