@@ -212,8 +212,8 @@ class EngineConfig(_Strict):
         1024, ge=0, description="decode CUDA graphs of at most this many tokens are captured with "
         "shared_expert_stream_priority; larger ones, and steps outside the graphs, give both streams one priority")
     moe_pairwise_max_tokens: int = Field(
-        16, ge=0, le=64, description="Triton MoE: steps of at most this many tokens skip the expert alignment (its "
-        "fill and kernel): one row tile per (token, expert) pair, and in steps of several tokens the tile of each "
+        16, ge=0, le=64, description="Triton MoE: steps of at most this many tokens skip the expert alignment "
+        "kernel: one row tile per (token, expert) pair, and in steps of several tokens the tile of each "
         "expert's first pair takes every token routed to that expert (the others end at once); the tile is as tall "
         "as the step, and above 16 tokens that was slower than aligning on an H200; 0 always aligns")
     router_split_k_max_tokens: int = Field(

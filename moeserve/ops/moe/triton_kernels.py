@@ -404,7 +404,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     :func:`get_config`. ``shared``: a shared expert's output, added (gated) in the combine. ``masked_ids``:
     ``topk_ids`` may hold -1 (experts of other ranks), which add nothing. GEMMs accumulate in fp32; no host
     synchronisation. Steps of at most ``pairwise_max_tokens`` tokens (and no masked ids) skip the alignment
-    (its fill and kernel, two launches per layer): the grid has a row tile per (token, expert) pair; in a step of
+    (one launch per layer): the grid has a row tile per (token, expert) pair; in a step of
     one token each tile is its pair's row, in a larger one the tile of each expert's first pair takes every
     token routed to that expert (the step's tokens fit one tile) and the others end at once, so each expert
     is still read once per step. ``interleaved``: ``w13``'s rows are

@@ -12,7 +12,8 @@ variants of the two fastest tiles. The winner is checked against an fp32 torch r
 the budget is spent, remaining token counts only time the default and the previous winner (both compiled).
 
 High-precision experts are timed as the engine runs them: gate/up rows interleaved (the activation in the first
-GEMM's epilogue) and one-token steps without the alignment (``--gate-then-up``: the older layout).
+GEMM's epilogue) and steps of up to ``moe_pairwise_max_tokens`` tokens without the alignment
+(``--gate-then-up``: the older layout).
 
 ``--dtype fp8_w8a8`` tunes the FP8 block-scale kernel (``fp8_triton.fused_moe_fp8``: e4m3 experts with
 128x128 scales, activations quantised per token group of 128) and writes the table it loads
