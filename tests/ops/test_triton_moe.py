@@ -56,6 +56,8 @@ ALIGN_CASES = {
     "multi-chunk-E8": (600, 2, 8, 16, torch.int32),
     "multi-chunk-E128": (300, 8, 128, 32, torch.int64),
     "T40-E60-bm128": (40, 4, 60, 128, torch.int32),  # padding runs past the first 1024-slot stretch
+    "T64-k4-E60": (64, 4, 60, 16, torch.int32),  # 256 ids: the largest one-pass routing of 60 experts
+    "T100-k4-E60": (100, 4, 60, 16, torch.int32),  # 400 ids: one program looping over tiles
 }
 # name: (T, k, H, dtype, shared expert, sigmoid gate): the combine kernel (sum over top-k + gated shared add)
 COMBINE_CASES = {
@@ -170,9 +172,15 @@ def _interpreter_worker(in_path: str, out_path: str) -> None:
         out["combine_norm"][name] = (y, res)
     for name, (x, w13, w2, tw, ti, cfg) in inputs["moe"].items():
         out["moe"][name] = fused_moe(x, w13, w2, tw, ti, config=cfg)
+    from moeserve.ops.moe import triton_kernels
     for name, (ids, block_m, E) in inputs["align"].items():
         with poisoned_empty():
-            out["align"][name] = moe_align_block_size(ids, block_m, E)
+            plan = triton_kernels.align_plan(ids.numel(), E)
+            default = moe_align_block_size(ids, block_m, E)
+            saved, triton_kernels._ALIGN_ONE_PASS_ELEMS = triton_kernels._ALIGN_ONE_PASS_ELEMS, 0
+            looped = (triton_kernels.align_plan(ids.numel(), E), moe_align_block_size(ids, block_m, E))
+            triton_kernels._ALIGN_ONE_PASS_ELEMS = saved  # above: the same ids through the looping program
+        out["align"][name] = (plan, default, looped)
     for name, (x, w13, w2, tw, ti) in inputs["masked"].items():
         out["masked"][name] = fused_moe(x, w13, w2, tw, ti, masked_ids=True)
     for name, (x, w13, w2, tw, ti, cfg) in inputs["pairwise"].items():
@@ -386,11 +394,28 @@ def test_masked_ids_add_nothing(interpreted, name):
 
 @pytest.mark.parametrize("name", list(ALIGN_CASES))
 def test_align_interpreter(interpreted, name):
+    """Each plan's alignment has the invariants; the one-pass program and the looping one give the same slots."""
     inputs, outputs = interpreted
     ids, block_m, E = inputs["align"][name]
-    sorted_ids, expert_ids, ntpp = outputs["align"][name]
-    assert sorted_ids.dtype == torch.int32 and expert_ids.dtype == torch.int32
-    check_alignment(sorted_ids, expert_ids, ntpp, ids, block_m, E)
+    plan, default, (looped_plan, looped) = outputs["align"][name]
+    from moeserve.ops.moe.triton_kernels import align_plan
+    assert plan == align_plan(ids.numel(), E)
+    for sorted_ids, expert_ids, ntpp in (default, looped):
+        assert sorted_ids.dtype == torch.int32 and expert_ids.dtype == torch.int32
+        check_alignment(sorted_ids, expert_ids, ntpp, ids, block_m, E)
+    if plan == "one-pass":
+        assert looped_plan in ("single", "chunked")
+        assert all(torch.equal(a, b) for a, b in zip(default, looped))
+
+
+def test_align_plan():
+    """The one-pass program takes routings whose one-hot has at most 16384 entries (ids and experts each rounded
+    up to a power of two, ids to at least 16); larger ones loop, in one program up to 1024 ids, else in chunks."""
+    from moeserve.ops.moe.triton_kernels import align_plan
+    assert align_plan(0, 8) == align_plan(1, 60) == align_plan(256, 60) == align_plan(64, 256) == "one-pass"
+    assert align_plan(16, 1024) == "one-pass" and align_plan(17, 1024) == "single"
+    assert align_plan(257, 60) == align_plan(1024, 60) == align_plan(65, 256) == "single"
+    assert align_plan(1025, 60) == "chunked"
 
 
 # ---------------------------------------------------------------- CPU: config selection and tuner
@@ -568,7 +593,8 @@ def test_fused_moe_small_gpu(dtype, cfg):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("T,k,E,block_m", [(1, 8, 128, 16), (64, 4, 60, 32), (4096, 8, 128, 64), (3000, 4, 60, 128)])
+@pytest.mark.parametrize("T,k,E,block_m", [(1, 8, 128, 16), (32, 4, 60, 16), (64, 4, 60, 32), (128, 4, 60, 16),
+                                           (4096, 8, 128, 64), (3000, 4, 60, 128)])
 def test_align_gpu(T, k, E, block_m):
     from moeserve.ops.moe.triton_kernels import moe_align_block_size
     gen = torch.Generator(device="cuda").manual_seed(SEED)

@@ -26,6 +26,8 @@ __all__ = ["moe_align_block_size", "fused_moe", "fused_moe_warmup", "invoke_fuse
 _META_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M")
 _ALIGN_SINGLE_CHUNK_LIMIT = 1024
 _ALIGN_MAX_CHUNKS = 64
+_ALIGN_ONE_PASS_ELEMS = 16384  # one program's one-hot of the ids: 256 ids of 64 experts (Qwen1.5-MoE at 64 tokens)
+_ALIGN_ONE_PASS_WARPS = 4
 PAIRWISE_BLOCK_M = 16  # a pair's row tile: one real row (tl.dot needs 16)
 
 
@@ -55,6 +57,58 @@ def _moe_count_kernel(ids_ptr, hist_ptr, numel, chunk, E, E_PAD: tl.constexpr, T
     tl.store(hist_ptr + pid * E + experts, counts, mask=experts < E)
 
 
+@triton.jit
+def _write_padding(sorted_ptr, ntpp_ptr, counts, padded, ends, total, numel, E, block_m, E_PAD: tl.constexpr,
+                   BM_PAD: tl.constexpr, PAD_TILE: tl.constexpr):
+    """Stores the padded total and the padding (``numel``) in every slot no token takes: each expert's last
+    ``padded - count`` slots and all slots past the padded total (``BM_PAD``: ``block_m`` rounded up to a power
+    of two)."""
+    experts = tl.arange(0, E_PAD)
+    tl.store(ntpp_ptr, total)
+    tail = tl.arange(0, BM_PAD)[None, :]
+    tl.store(sorted_ptr + (ends - padded + counts)[:, None] + tail, numel,
+             mask=(experts[:, None] < E) & (tail < (padded - counts)[:, None]))
+    for p0 in range(total, numel + E * (block_m - 1), PAD_TILE):
+        slots = p0 + tl.arange(0, PAD_TILE)
+        tl.store(sorted_ptr + slots, numel, mask=slots < numel + E * (block_m - 1))
+
+
+@triton.jit
+def _write_block_owners(expert_ids_ptr, ends, total, block_m, num_blocks, first, step, TILE: tl.constexpr):
+    """``expert_ids[b]``: the expert whose padded range holds block ``b`` (``-1`` past the total), for blocks
+    ``first, first + TILE, ..`` in strides of ``step``."""
+    for b0 in range(first, num_blocks, step):
+        blocks = b0 + tl.arange(0, TILE)
+        start = blocks * block_m
+        owner = tl.sum((ends[None, :] <= start[:, None]).to(tl.int32), axis=1)
+        owner = tl.where(start < total, owner, -1)
+        tl.store(expert_ids_ptr + blocks, owner, mask=blocks < num_blocks)
+
+
+@triton.jit(do_not_specialize=["numel", "block_m", "num_blocks"])
+def _moe_align_one_pass_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, numel, E, block_m, num_blocks,
+                               N_PAD: tl.constexpr, E_PAD: tl.constexpr, TILE: tl.constexpr, BM_PAD: tl.constexpr,
+                               PAD_TILE: tl.constexpr, PDL: tl.constexpr = False):
+    """The whole alignment of a small routing (at most ``N_PAD`` ids) in one program and one pass: the ids'
+    one-hot ``[N_PAD, E_PAD]`` gives the counts (its column sums) and each id's rank among its expert's (its
+    column prefix sums), so an id's slot is ``start[e] + rank`` with no loop over the ids."""
+    wait_prior(PDL)
+    idx = tl.arange(0, N_PAD)
+    experts = tl.arange(0, E_PAD)
+    e = tl.load(ids_ptr + idx, mask=idx < numel, other=-1).to(tl.int32)
+    e = tl.where((e >= 0) & (e < E), e, -1)
+    onehot = (e[:, None] == experts[None, :]).to(tl.int32)
+    counts = tl.sum(onehot, axis=0)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    before = tl.cumsum(onehot, axis=0) - onehot  # ids of the same expert before each id
+    slot = tl.sum(onehot * ((ends - padded)[None, :] + before), axis=1)
+    tl.store(sorted_ptr + slot, idx, mask=e >= 0)
+    _write_padding(sorted_ptr, ntpp_ptr, counts, padded, ends, total, numel, E, block_m, E_PAD, BM_PAD, PAD_TILE)
+    _write_block_owners(expert_ids_ptr, ends, total, block_m, num_blocks, 0, TILE, TILE)
+
+
 @triton.jit(do_not_specialize=["numel", "chunk", "num_chunks", "block_m", "num_blocks"])
 def _moe_align_kernel(ids_ptr, hist_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, numel, chunk, num_chunks, E,
                       block_m, num_blocks, E_PAD: tl.constexpr, NC_PAD: tl.constexpr, TILE: tl.constexpr,
@@ -65,9 +119,7 @@ def _moe_align_kernel(ids_ptr, hist_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, n
     Every program derives the padded per-expert layout from the histogram (or counts the whole routing
     itself when ``FUSED_COUNT``, which requires a single chunk), writes its share of the block-to-expert
     map, and places each of its tokens at ``start[e] + (tokens of e before it)``. Program 0 also writes the
-    padding (``numel``) into every slot no token takes: each expert's last ``padded - count`` slots and all
-    slots past the padded total, so ``sorted`` needs no fill beforehand (``BM_PAD``: ``block_m`` rounded up
-    to a power of two).
+    padding (:func:`_write_padding`), so ``sorted`` needs no fill beforehand.
     """
     wait_prior(PDL)
     pid = tl.program_id(0)
@@ -85,20 +137,9 @@ def _moe_align_kernel(ids_ptr, hist_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, n
     ends = tl.cumsum(padded, axis=0)
     total = tl.sum(padded, axis=0)
     if pid == 0:
-        tl.store(ntpp_ptr, total)
-        tail = tl.arange(0, BM_PAD)[None, :]
-        tl.store(sorted_ptr + (ends - padded + counts)[:, None] + tail, numel,
-                 mask=(experts[:, None] < E) & (tail < (padded - counts)[:, None]))
-        for p0 in range(total, numel + E * (block_m - 1), PAD_TILE):
-            slots = p0 + tl.arange(0, PAD_TILE)
-            tl.store(sorted_ptr + slots, numel, mask=slots < numel + E * (block_m - 1))
-
-    for b0 in range(pid * TILE, num_blocks, num_chunks * TILE):
-        blocks = b0 + tl.arange(0, TILE)
-        first = blocks * block_m
-        owner = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
-        owner = tl.where(first < total, owner, -1)
-        tl.store(expert_ids_ptr + blocks, owner, mask=blocks < num_blocks)
+        _write_padding(sorted_ptr, ntpp_ptr, counts, padded, ends, total, numel, E, block_m, E_PAD, BM_PAD,
+                       PAD_TILE)
+    _write_block_owners(expert_ids_ptr, ends, total, block_m, num_blocks, pid * TILE, num_chunks * TILE, TILE)
 
     base = ends - padded + before
     lower = tl.arange(0, TILE)[:, None] > tl.arange(0, TILE)[None, :]
@@ -113,6 +154,20 @@ def _moe_align_kernel(ids_ptr, hist_ptr, sorted_ptr, expert_ids_ptr, ntpp_ptr, n
         rank = tl.sum(((e[:, None] == e[None, :]) & lower).to(tl.int32), axis=1)
         tl.store(sorted_ptr + pos + rank, idx, mask=e >= 0)
         base += tl.sum(onehot.to(tl.int32), axis=0)
+
+
+def _one_pass_rows(numel: int) -> int:
+    return max(16, triton.next_power_of_2(numel))
+
+
+def align_plan(numel: int, num_experts: int) -> str:
+    """How :func:`moe_align_block_size` aligns ``numel`` ids over ``num_experts`` experts: ``one-pass`` (one
+    program holds the ids' whole one-hot, at most ``_ALIGN_ONE_PASS_ELEMS`` entries), ``single`` (one program
+    loops over tiles of the ids, counting and scattering) or ``chunked`` (a count kernel, then a program per
+    chunk)."""
+    if _one_pass_rows(numel) * triton.next_power_of_2(max(num_experts, 2)) <= _ALIGN_ONE_PASS_ELEMS:
+        return "one-pass"
+    return "single" if numel <= _ALIGN_SINGLE_CHUNK_LIMIT else "chunked"
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
@@ -137,7 +192,14 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
     ntpp = torch.empty((1,), dtype=torch.int32, device=device)
     e_pad = triton.next_power_of_2(max(num_experts, 2))
     tile = max(16, min(64, 4096 // e_pad))
-    fused_count = numel <= _ALIGN_SINGLE_CHUNK_LIMIT
+    plan = align_plan(numel, num_experts)
+    if plan == "one-pass":
+        _moe_align_one_pass_kernel[(1,)](ids, sorted_ids, expert_ids, ntpp, numel, num_experts, block_m, num_blocks,
+                                         N_PAD=_one_pass_rows(numel), E_PAD=e_pad, TILE=tile,
+                                         BM_PAD=triton.next_power_of_2(block_m), PAD_TILE=1024,
+                                         num_warps=_ALIGN_ONE_PASS_WARPS, **launch_kwargs(tokens))
+        return sorted_ids, expert_ids, ntpp
+    fused_count = plan == "single"
     if fused_count:
         chunk, num_chunks, hist = max(numel, 1), 1, ntpp
     else:
