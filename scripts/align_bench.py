@@ -57,11 +57,11 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for t in args.tokens:
         ids = torch.rand(t, args.experts, generator=gen, device="cuda").topk(args.top_k, dim=1).indices.int()
-        saved = tk._ALIGN_ONE_PASS_ELEMS, tk._ALIGN_ONE_PASS_WARPS
+        saved = tk._ALIGN_ONE_PASS_ELEMS, tk._one_pass_warps
         variants = [("single", 0, 4)] + [(f"one-pass-w{w}", saved[0], w) for w in args.warps]
         want = None
         for name, elems, warps in variants:
-            tk._ALIGN_ONE_PASS_ELEMS, tk._ALIGN_ONE_PASS_WARPS = elems, warps
+            tk._ALIGN_ONE_PASS_ELEMS, tk._one_pass_warps = elems, (lambda *_, w=warps: w)
             try:
                 if tk.align_plan(ids.numel(), args.experts) != name.split("-w")[0]:
                     continue
@@ -73,7 +73,7 @@ def main() -> int:
                 row = {"tokens": t, "plan": name, "same_as_single": same, "us_no_pdl": timed(fn, 0),
                        "us_pdl": timed(fn, t)}
             finally:
-                tk._ALIGN_ONE_PASS_ELEMS, tk._ALIGN_ONE_PASS_WARPS = saved
+                tk._ALIGN_ONE_PASS_ELEMS, tk._one_pass_warps = saved
             rows.append(row)
             print(f"T={t:4d} {name:14s} {row['us_no_pdl']:7.2f} us  (PDL {row['us_pdl']:7.2f} us)"
                   f"{'' if same else '  OUTPUT DIFFERS'}", flush=True)

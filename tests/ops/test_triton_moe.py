@@ -416,6 +416,8 @@ def test_align_plan():
     assert align_plan(16, 1024) == "one-pass" and align_plan(17, 1024) == "single"
     assert align_plan(257, 60) == align_plan(1024, 60) == align_plan(65, 256) == "single"
     assert align_plan(1025, 60) == "chunked"
+    from moeserve.ops.moe.triton_kernels import _one_pass_warps
+    assert _one_pass_warps(128, 64) == 4 and _one_pass_warps(129, 64) == 8  # 8 warps above 8192 entries
 
 
 # ---------------------------------------------------------------- CPU: config selection and tuner
