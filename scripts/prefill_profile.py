@@ -1,7 +1,9 @@
 """Where the host time of a prefill step goes: one request of ``--prompt-len`` random tokens at a time, its
 first step (the prefill) run under cProfile, with the host time of ``engine.step()`` and the time until the GPU
 has finished it (``torch.cuda.synchronize`` after the step), for rounds that start right after the previous
-request and rounds that start after ``--idle`` seconds of an idle GPU.
+request and rounds that start after ``--idle`` seconds of an idle GPU. ``--no-cprofile`` times the same steps
+without the profiler (which slows Python-heavy code several-fold), then one more under torch's CUDA profiler for
+the sum of its kernels' GPU times.
 
     python scripts/prefill_profile.py --model CKPT_DIR [--set kernel_cache_dir=DIR] [--out DIR]
 """
@@ -23,6 +25,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--idle", type=float, default=0.5)
     p.add_argument("--set", action="append", default=[], help="engine option key=value, as the CLI's --set")
+    p.add_argument("--no-cprofile", action="store_true")
     p.add_argument("--out", default="")
     args = p.parse_args()
     import torch
@@ -43,11 +46,12 @@ def main() -> int:
         time.sleep(idle)
         engine.add_request([rng.randrange(vocab) for _ in range(args.prompt_len)], params)
         measured = i >= 2
+        profiled = measured and not args.no_cprofile
         t0 = time.perf_counter()
-        if measured:
+        if profiled:
             prof.enable()
         engine.step()
-        if measured:
+        if profiled:
             prof.disable()
         t1 = time.perf_counter()
         launch = engine.last_step_seconds[0]
@@ -62,13 +66,26 @@ def main() -> int:
             r = rows[-1]
             print(f"prefill of {args.prompt_len} tokens after {idle:.1f} s idle: step {r['step_host_ms']:.1f} ms on"
                   f" the host (launch {r['launch_ms']:.1f}), GPU done at {r['until_gpu_done_ms']:.1f} ms", flush=True)
-    for key in ("tottime", "cumulative"):
+    busy_ms = None
+    if args.no_cprofile and torch.cuda.is_available():
+        from torch.profiler import ProfilerActivity, profile
+        engine.add_request([rng.randrange(vocab) for _ in range(args.prompt_len)], params)
+        with profile(activities=[ProfilerActivity.CUDA]) as tp:
+            engine.step()
+            torch.cuda.synchronize()
+        while engine.has_unfinished():
+            engine.step()
+        busy_ms = sum(e.self_device_time_total for e in tp.key_averages()) / 1e3
+        print(f"prefill of {args.prompt_len} tokens under torch's CUDA profiler: kernels {busy_ms:.1f} ms of GPU time")
+    for key in ("tottime", "cumulative") if not args.no_cprofile else ():
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(key).print_stats(25)
         print(f"== cProfile of {len(rows)} prefill steps, by {key}\n" + s.getvalue())
     if args.out:
-        with open(f"{args.out}/prefill-profile.json", "w") as f:
-            json.dump({"prompt_len": args.prompt_len, "rows": rows}, f, indent=1)
+        name = "prefill-times" if args.no_cprofile else "prefill-profile"
+        with open(f"{args.out}/{name}.json", "w") as f:
+            json.dump({"prompt_len": args.prompt_len, "cprofile": not args.no_cprofile, "rows": rows,
+                       "gpu_kernel_ms": busy_ms}, f, indent=1)
     return 0
 
 
