@@ -29,13 +29,14 @@ def tiny_plan(max_tokens=24, **kw):
 def test_dry_run_lists_the_triton_kernels_of_the_bench_configuration():
     out = subprocess.run([sys.executable, "-m", "moeserve.cli", "precompile", "--config",
                           "moeserve/presets/bench-gpu.yaml", "--arch", "9.0a", "--out", "/nonexistent/cache",
-                          "--dry-run", "--modules", "norm", "--set", "backends.linear=triton"], capture_output=True, text=True, cwd=REPO, timeout=300,
+                          "--dry-run", "--modules", "norm", "--set", "backends.linear=triton"],
+                         capture_output=True, text=True, cwd=REPO, timeout=300,
                          env={"COLUMNS": "300", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
     assert "Triton kernels for qwen1.5-moe-a2.7b on 9.0a (NVIDIA_H200), steps of 1 to 8192 tokens" in text
-    for kernel in ("_topk_route_kernel", "_moe_align_kernel", "_moe_count_kernel", "fused_moe_kernel",
-                   "moe_combine_kernel", "qkv_rope_append_kernel", "_router_partial_kernel",
+    for kernel in ("_topk_route_kernel", "_moe_align_one_pass_kernel", "_moe_align_kernel", "_moe_count_kernel",
+                   "fused_moe_kernel", "moe_combine_kernel", "qkv_rope_append_kernel", "_router_partial_kernel",
                    "_topk_route_partials_kernel"):
         assert kernel in text, kernel
     # the SwiGLU activation is in the first expert GEMM's epilogue (no separate kernel for bf16 experts, whose gate
@@ -61,9 +62,11 @@ def test_built_kernels_serve_every_launch_from_disk_after_the_cache_moves(tmp_pa
     plan = tiny_plan()
     config = triton_aot.build(plan, tmp_path / "built", *H200, log=lambda s: None)
     names = {e["kernel"] for e in config["entries"]}
-    # steps of up to 24 tokens: the router's GEMM as partial sums, added by the routing kernel (no cuBLAS logits)
-    assert {"fused_moe_kernel", "_moe_align_kernel", "moe_combine_kernel", "_router_partial_kernel",
+    # steps of up to 24 tokens: the router's GEMM as partial sums, added by the routing kernel (no cuBLAS logits);
+    # their routings are small enough for the one-pass alignment
+    assert {"fused_moe_kernel", "_moe_align_one_pass_kernel", "moe_combine_kernel", "_router_partial_kernel",
             "_topk_route_partials_kernel"} <= names and "_topk_route_kernel" not in names
+    assert "_moe_align_kernel" not in names
     manifest = json.loads((tmp_path / "built" / "triton" / "manifest.json").read_text())
     # each kernel names the MoE step size that first launches it: the sizes the engine warms at start
     sizes = [e["tokens"] for e in config["entries"]]
@@ -115,8 +118,8 @@ def test_kernels_launch_with_pdl_on_hopper_for_steps_up_to_pdl_max_tokens(tmp_pa
     # small steps launch every kernel kind but the MoE alignment, which steps of up to moe_pairwise_max_tokens (16)
     # skip; larger steps align, without PDL
     assert small.config.moe_pairwise_max_tokens == 16
-    assert names(small_k, True) == names(off_k, False) - {"_moe_align_kernel"}
-    assert "_moe_align_kernel" in names(small_k, False)
+    assert names(small_k, True) == names(off_k, False) - {"_moe_align_one_pass_kernel"}
+    assert "_moe_align_one_pass_kernel" in names(small_k, False)  # steps of 17 to 24 tokens
     assert pdl.max_tokens() == 0  # listing leaves the process's setting as it was
     assert plan_for_arch(make_config(model="tiny", dtype="bfloat16"), "8.0").pdl_max_tokens == 0
 
