@@ -5,9 +5,9 @@ README's results table generated from it.
         [--readme README.md]
 
 The summary names the GPU, date, versions, commit, model and weights (``shared-checkpoint`` when every engine
-loaded the same files), and for each workload and concurrency each engine's decode tok/s, TTFT and roofline
-fraction. ``--readme`` rewrites the block between ``<!-- results-table:start -->`` and
-``<!-- results-table:end -->``.
+loaded the same files), the copy bandwidth the roofline fractions are relative to, and for each workload and
+concurrency each engine's decode tok/s, TTFT and roofline fraction. ``--readme`` rewrites the block between
+``<!-- results-table:start -->`` and ``<!-- results-table:end -->``.
 """
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ def summarize(result: dict, results_dir: str | None = None) -> dict:
             cell = workloads.setdefault(row["workload"], {}).setdefault(str(row["concurrency"]), {})
             cell[key] = {m: row[m] for m in METRICS if m in row}
     b = result.get("config", {}).get("bench", {})
+    bandwidth = (result.get("roofline") or {}).get("bandwidth_bytes_per_s")
     return {
         "gpu": gpus[0]["name"] if gpus else env.get("cpu"), "date": result["created"][:10],
         "created": result["created"], "commit": result.get("commit"), "command": result.get("command"),
@@ -51,6 +52,8 @@ def summarize(result: dict, results_dir: str | None = None) -> dict:
         "driver": env.get("driver_version"), "model": result["model"],
         "weights": result.get("weights", "dummy"), "prompt_len": b.get("prompt_len"), "output_len": b.get("output_len"),
         "runs": b.get("runs"), "engines": engines, "results_dir": results_dir, "workloads": workloads,
+        # the roofline fractions' denominator: this run's measured copy bandwidth (it differs between GPUs of a kind)
+        "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1) if bandwidth else None,
     }
 
 
@@ -88,6 +91,8 @@ def markdown_table(summary: dict, workload: str = "decode") -> str:
                f"{summary['model']['name']} ({summary['model']['dtype']}), weights: {summary['weights']}; "
                f"{summary['prompt_len']}-token prompts, {summary['output_len']} output tokens, greedy, median of "
                f"{summary['runs']} runs; " + ", ".join(f"{k} {val}" for k, val in v.items() if val))
+    if summary.get("copy_bandwidth_gb_s"):
+        caption += f"; roofline at the copy bandwidth measured in the run, {summary['copy_bandwidth_gb_s']:,.0f} GB/s"
     return caption + "\n\n" + "\n".join(lines)
 
 

@@ -11,7 +11,7 @@ def result():
                                       "ttft_s": ttft, "roofline_fraction": frac, "runs": []}
     return {
         "kind": "offline", "created": "2026-11-30T12:00:00+00:00", "commit": "abc1234", "command": "moeserve bench",
-        "weights": "shared-checkpoint",
+        "weights": "shared-checkpoint", "roofline": {"bandwidth_bytes_per_s": 4.0867e12},
         "environment": {"gpus": [{"name": "NVIDIA H200"}], "driver_version": "580",
                         "versions": {"torch": "2.11.0", "triton": "3.6.0", "flashinfer": "0.6.14"}},
         "config": {"bench": {"prompt_len": 512, "output_len": 128, "runs": 3}},
@@ -35,6 +35,11 @@ def test_summary_carries_the_provenance_and_every_cell():
     table = markdown_table(s)
     assert "| 1 | 400 | 413 | 0.97 | 20.0 | 30.0 | 50% | 52% |" in table
     assert "| 8 | 1,800 | 1,672 | 1.08 |" in table and "weights: shared-checkpoint" in table
+    # the fractions' denominator is named: it differs between GPUs of one kind
+    assert s["copy_bandwidth_gb_s"] == 4086.7 and "copy bandwidth measured in the run, 4,087 GB/s" in table
+    without = result()
+    del without["roofline"]
+    assert summarize(without)["copy_bandwidth_gb_s"] is None and "GB/s" not in markdown_table(summarize(without))
 
 
 def test_the_readme_block_is_replaced_and_nothing_else(tmp_path):
