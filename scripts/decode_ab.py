@@ -17,6 +17,15 @@ import argparse
 import json
 
 
+def build_llm(model: str, sets: list[str]):
+    """The engine every A/B instrument here runs: ``model`` with the benchmark's limits, then ``--set`` overrides."""
+    from moeserve import LLM
+    from moeserve.config import load_config, parse_override
+    opts = dict(model=model, dtype="bfloat16", max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=8192,
+                gpu_memory_utilization=0.85)
+    return LLM(config=load_config(None, opts | dict(parse_override(kv) for kv in sets)))
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -28,13 +37,9 @@ def main() -> int:
                    help="engine option key=value or section.key=value (the value read as YAML, as the CLI's --set)")
     p.add_argument("--label", default="")
     args = p.parse_args()
-    opts = dict(model=args.model, dtype="bfloat16", max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=8192,
-                gpu_memory_utilization=0.85)
-    from moeserve import LLM
     from moeserve.bench.engine_driver import MoeserveAdapter
     from moeserve.bench.workloads import WorkloadCase, run_case
-    from moeserve.config import load_config, parse_override
-    llm = LLM(config=load_config(None, opts | dict(parse_override(kv) for kv in args.set)))
+    llm = build_llm(args.model, args.set)
     adapter = MoeserveAdapter(llm.engine)
     vocab = llm.engine.arch.vocab_size
     rows = []

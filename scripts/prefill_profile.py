@@ -30,12 +30,9 @@ def main() -> int:
     args = p.parse_args()
     import torch
 
-    from moeserve import LLM
-    from moeserve.config import load_config, parse_override
+    from decode_ab import build_llm  # this directory: the same engine as the decode A/B
     from moeserve.engine.sampling_params import SamplingParams
-    opts = dict(model=args.model, dtype="bfloat16", max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=8192,
-                gpu_memory_utilization=0.85)
-    engine = LLM(config=load_config(None, opts | dict(parse_override(kv) for kv in args.set))).engine
+    engine = build_llm(args.model, args.set).engine
     vocab = engine.arch.vocab_size
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2, detokenize=False)
