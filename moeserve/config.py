@@ -191,6 +191,14 @@ class EngineConfig(_Strict):
     cuda_graph_batch_sizes: list[int] | None = Field(
         None, description="decode batch sizes to capture as CUDA graphs (default: 1 2 4 8 16 32 ... 256, up to "
         "max_num_seqs)")
+    prefill_graph_max_tokens: int = Field(
+        2048, ge=0, description="steps that decode graphs do not cover (prefill chunks, mixed steps) of at most this "
+        "many tokens replay CUDA graphs of the layers between attentions, captured at fixed token counts (the step "
+        "padded up to the next), the attention running eagerly between them, as vLLM's piecewise graphs; one GPU; "
+        "0 runs them eagerly")
+    prefill_graph_token_sizes: list[int] | None = Field(
+        None, description="the token counts of the piecewise graphs (default: 16 to 128 by 16, to 512 by 64, to "
+        "2048 by 256, then by 512, up to prefill_graph_max_tokens and max_num_batched_tokens, which closes the list)")
     enforce_eager: bool = Field(False, description="run every step eagerly: no CUDA graphs")
     torch_compile: bool = Field(False, description="torch.compile each layer's MoE block")
     # vLLM's --async-scheduling, SGLang's overlap scheduler
@@ -279,7 +287,7 @@ class EngineConfig(_Strict):
             raise ValueError(f"{v!r} is not a GPU architecture; write it like 9.0a or 8.9")
         return v
 
-    @field_validator("cuda_graph_batch_sizes")
+    @field_validator("cuda_graph_batch_sizes", "prefill_graph_token_sizes")
     @classmethod
     def _graph_sizes(cls, v):
         if v is None:
@@ -323,6 +331,28 @@ class EngineConfig(_Strict):
         if sizes is None:
             sizes = [1, 2, 4, 8] + list(range(16, 257, 16))
         return [b for b in sizes if b <= self.max_num_seqs] or ([self.max_num_seqs] if sizes else [])
+
+
+    def prefill_graph_sizes(self) -> list[int]:
+        """Token counts of the piecewise CUDA graphs of steps the decode graphs do not cover (none without CUDA
+        graphs, with torch_compile or on several GPUs)."""
+        bound = min(self.prefill_graph_max_tokens, self.max_num_batched_tokens)
+        if self.enforce_eager or self.torch_compile or self.world_size > 1 or bound == 0:
+            return []
+        sizes = self.prefill_graph_token_sizes
+        if sizes is not None:
+            return [t for t in sizes if t <= bound]
+        sizes = [t for t in default_prefill_graph_sizes(bound) if t < bound]
+        return sizes + [bound]
+
+
+def default_prefill_graph_sizes(up_to: int) -> list[int]:
+    """16 to 128 by 16, to 512 by 64, to 2048 by 256, then by 512, up to ``up_to``."""
+    sizes, t = [], 16
+    while t <= up_to:
+        sizes.append(t)
+        t += 16 if t < 128 else 64 if t < 512 else 256 if t < 2048 else 512
+    return sizes
 
 
 class ModelSource(BaseModel):

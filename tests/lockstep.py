@@ -22,6 +22,7 @@ class Lockstep:
     cos: torch.Tensor  # per sampled row: cosine similarity of the two engines' logits
     agreement: float  # fraction of sampled rows whose argmax agrees
     graph_steps: int  # decode steps the fast engine ran through a captured CUDA graph
+    piecewise_steps: int = 0  # other steps the fast engine ran through its piecewise CUDA graphs
 
     @property
     def worst(self) -> float:
@@ -39,6 +40,8 @@ def lockstep(fast, ref, prompts: list[list[int]], max_tokens: int, follow: str =
         fast.add_request(p, params)
         ref.add_request(p, params)
     cos, agree, graph_steps = [], [], 0
+    pieces = getattr(fast.runner, "piecewise", None)
+    replays = pieces.replays if pieces is not None else 0
     while ref.has_unfinished():
         a, b = fast.scheduler.schedule(), ref.scheduler.schedule()
         assert [(i.seq.request_id, i.start, i.num_tokens) for i in a.items] == \
@@ -56,7 +59,8 @@ def lockstep(fast, ref, prompts: list[list[int]], max_tokens: int, follow: str =
         ref.scheduler.update(b, sampled)
     assert not fast.has_unfinished()
     assert fast.pool.num_free == fast.pool.capacity and ref.pool.num_free == ref.pool.capacity
-    return Lockstep(torch.tensor(cos), sum(agree) / len(agree), graph_steps)
+    piecewise_steps = pieces.replays - replays if pieces is not None else 0
+    return Lockstep(torch.tensor(cos), sum(agree) / len(agree), graph_steps, piecewise_steps)
 
 
 def run_recording_logits(llm, prompt_ids, params):

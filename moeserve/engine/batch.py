@@ -7,6 +7,11 @@ before its copy has run, so a step can be built while the previous one is still 
 
 A token sampled by the previous step but not yet on the host (asynchronous scheduling) is fed from that
 step's device tensor of sampled tokens: the builder writes 0 in its place and a device gather fills it.
+
+A step padded to ``pad_to`` tokens gets one extra request of one token per padding token, at position 0 on
+the reserved page 0 (a CUDA graph of that size then reads real rows first, padding after). With ``fixed``
+every field starts at an offset that depends only on ``pad_to``, so the device views of two steps of one
+padded size are the same memory (what the CUDA graphs of prefill steps read).
 """
 from __future__ import annotations
 
@@ -33,18 +38,24 @@ class BatchBuilder:
     def __init__(self, page_size: int, max_tokens: int, max_seqs: int, max_pages: int, device: torch.device):
         self.page_size = page_size
         self.device = device
-        cap = 5 * max_tokens + 6 * (max_seqs + 1) + max_pages + 64
+        self.max_tokens = max_tokens
+        # a fixed layout of T tokens takes 10 T + 2 entries before the page indices (at most max_pages, plus one
+        # page-0 entry per padding row)
+        cap = 11 * max_tokens + 6 * (max_seqs + 1) + max_pages + 64
         self.pin = device.type == "cuda"
         self.dev = torch.zeros(cap, dtype=torch.int32, device=device) if self.pin else None
 
     def build(self, items: list[ScheduledRequest], pad_to: int | None = None,
-              prev_tokens: torch.Tensor | None = None) -> StepBatch:
-        """``prev_tokens``: the previous step's sampled tokens on the device, for in-flight inputs."""
+              prev_tokens: torch.Tensor | None = None, fixed: bool = False) -> StepBatch:
+        """``prev_tokens``: the previous step's sampled tokens on the device, for in-flight inputs. ``pad_to``:
+        the step's token count after padding; ``fixed``: lay the fields out at the offsets of that size."""
+        if fixed and (pad_to is None or pad_to > self.max_tokens):
+            raise ValueError(f"a fixed layout needs pad_to of at most {self.max_tokens} tokens, got {pad_to}")
         if all(it.num_tokens == 1 for it in items):
             fields = self._single_token_fields(items)
         else:
             fields = self._chunk_fields(items)
-        return self._finish(items, fields, pad_to, prev_tokens)
+        return self._finish(items, fields, pad_to, prev_tokens, fixed)
 
     def _single_token_fields(self, items: list[ScheduledRequest]):
         """Decode steps: one token per request, built with plain lists (cheaper than numpy at this size)."""
@@ -93,46 +104,60 @@ class BatchBuilder:
         cat = lambda xs: np.concatenate(xs).tolist() if xs else []  # noqa: E731
         return cat(ids), cat(pos), cat(slots), cat(bidx), qo, kvp, last, cat(indices), logit_idx, fix_dst, fix_src
 
-    def _finish(self, items, fields, pad_to, prev_tokens) -> StepBatch:
+    def _finish(self, items, fields, pad_to, prev_tokens, fixed=False) -> StepBatch:
         ids, pos, slots, bidx, qo, kvp, last, indices, logit_idx, fix_dst, fix_src = fields
         num_real, seq_lens = len(items), [it.start + it.num_tokens for it in items]
         query_lens = [it.num_tokens for it in items]
-        if pad_to is not None and pad_to > num_real:
-            extra = pad_to - num_real
+        t_real = len(ids)
+        if fixed and pad_to < t_real:
+            raise ValueError(f"a step of {t_real} tokens does not fit a fixed layout of {pad_to}")
+        if pad_to is not None and pad_to > t_real:
+            extra = pad_to - t_real
+            s = len(qo) - 1
             zeros = [0] * extra
             ids, pos, slots = ids + zeros, pos + zeros, slots + zeros
-            bidx = bidx + list(range(num_real, pad_to))
-            indices = indices + zeros  # every padded row reads and writes the reserved page 0
+            bidx = bidx + list(range(s, s + extra))
+            indices = indices + zeros  # every padding row reads and writes the reserved page 0
             qo = qo + [qo[-1] + i + 1 for i in range(extra)]
             kvp = kvp + [kvp[-1] + i + 1 for i in range(extra)]
             last = last + [1] * extra
             seq_lens += [1] * extra
             query_lens += [1] * extra
-        fields = [ids, pos, slots, bidx, qo, kvp, last, indices, logit_idx, fix_dst, fix_src]
+        # the page indices last: in a fixed layout the only field whose length has no bound but the pool's
+        fields = [ids, pos, slots, bidx, qo, kvp, last, logit_idx, fix_dst, fix_src, indices]
         sizes = [len(f) for f in fields]
-        flat = np.fromiter((v for f in fields for v in f), dtype=np.int32, count=sum(sizes))
-        n_all = len(flat)
-        host = torch.empty(n_all, dtype=torch.int32, pin_memory=self.pin)
-        host.numpy()[:] = flat
+        if fixed:
+            t = pad_to
+            caps = [t, t, t, t, t + 1, t + 1, t, t, t, t]
+            offs = np.concatenate([[0], np.cumsum(caps)])
+            n_all = int(offs[-1]) + sizes[-1]
+            host = torch.empty(n_all, dtype=torch.int32, pin_memory=self.pin)
+            flat = host.numpy()
+            for f, o in zip(fields, offs):
+                flat[o:o + len(f)] = f
+        else:
+            flat = np.fromiter((v for f in fields for v in f), dtype=np.int32, count=sum(sizes))
+            n_all = len(flat)
+            host = torch.empty(n_all, dtype=torch.int32, pin_memory=self.pin)
+            host.numpy()[:] = flat
+            offs = np.concatenate([[0], np.cumsum(sizes)])
         if self.dev is not None:
             dev = self.dev[:n_all]
             dev.copy_(host, non_blocking=True)
         else:
             dev = host.clone()
-        offs = np.concatenate([[0], np.cumsum(sizes)])
-        h = [host[offs[i]:offs[i + 1]] for i in range(len(fields))]
-        d = [dev[offs[i]:offs[i + 1]] for i in range(len(fields))]
+        h = [host[offs[i]:offs[i] + sizes[i]] for i in range(len(fields))]
+        d = [dev[offs[i]:offs[i] + sizes[i]] for i in range(len(fields))]
         if fix_dst:
             if prev_tokens is None:
                 raise RuntimeError("a step feeds in-flight tokens but the previous step's tokens were not given")
-            d[0].index_copy_(0, d[9].long(), prev_tokens.index_select(0, d[10].long()).to(torch.int32))
-        t = sizes[0]
+            d[0].index_copy_(0, d[8].long(), prev_tokens.index_select(0, d[9].long()).to(torch.int32))
         attn = AttentionInputs(
-            num_seqs=len(qo) - 1, num_tokens=t, query_lens=query_lens, seq_lens=seq_lens,
+            num_seqs=len(qo) - 1, num_tokens=sizes[0], query_lens=query_lens, seq_lens=seq_lens,
             is_decode=all(it.is_decode for it in items),
-            qo_indptr_host=h[4], kv_indptr_host=h[5], kv_indices_host=h[7], kv_last_page_len_host=h[6],
-            qo_indptr=d[4], kv_indptr=d[5], kv_indices=d[7], kv_last_page_len=d[6],
+            qo_indptr_host=h[4], kv_indptr_host=h[5], kv_indices_host=h[10], kv_last_page_len_host=h[6],
+            qo_indptr=d[4], kv_indptr=d[5], kv_indices=d[10], kv_last_page_len=d[6],
             slot_mapping=d[2], batch_indices=d[3], token_positions=d[1],
         )
-        return StepBatch(input_ids=d[0], positions=d[1], attn=attn, logits_indices=d[8], num_real=num_real,
+        return StepBatch(input_ids=d[0], positions=d[1], attn=attn, logits_indices=d[7], num_real=num_real,
                          num_tokens_real=sum(it.num_tokens for it in items))

@@ -1,6 +1,7 @@
 """The model runner: builds the model on its device with the planned backends, sizes the KV cache, and
-runs one step (forward, logits, sampling) from a ``StepInput``, through captured CUDA graphs for decode
-steps.
+runs one step (forward, logits, sampling) from a ``StepInput``, through captured CUDA graphs: whole-model
+graphs for decode steps (``moeserve.engine.graphs``), graphs of the layers between attentions for the other
+steps up to ``prefill_graph_max_tokens`` (``moeserve.engine.piecewise``).
 
 A step is launched (``launch``: everything queued on the GPU, the sampled tokens copied into pinned host
 memory behind an event) and later waited for (``wait``); ``execute`` does both. Between the two the host
@@ -122,6 +123,7 @@ class ModelRunner:
         self.builder = BatchBuilder(self.page_size, max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
                                     cfg.max_num_seqs, num_pages + cfg.max_num_seqs, self.device)
         self.graphs = None
+        self.piecewise = None
         self._plan_copied = None  # event after the last plan()'s host-to-device copy
         self._last: LaunchedStep | None = None  # the last launched step, whose tokens in-flight inputs read
         self.graph_capture_seconds = 0.0
@@ -274,23 +276,54 @@ class ModelRunner:
         return int(peak)
 
     def capture_graphs(self, sizes: list[int], progress: bool = True) -> None:
-        if self.device.type != "cuda" or not sizes:
+        """Capture the decode graphs of ``sizes`` and the piecewise graphs of ``prefill_graph_sizes``."""
+        pieces = self.cfg.prefill_graph_sizes()
+        if self.device.type != "cuda" or not (sizes or pieces):
             return
-        if not self.ops.attention.supports_graphs:
+        attn = self.ops.attention
+        if sizes and not attn.supports_graphs:
             log.warning("CUDA graphs: the %s attention backend cannot be captured; decode runs eagerly",
                         self.backend_names["attention"])
+            sizes = []
+        if pieces and not attn.supports_piecewise:
+            log.info("piecewise CUDA graphs: the %s attention backend without its one-kernel QKV path cannot be cut "
+                     "at the attention; prefill and mixed steps run eagerly", self.backend_names["attention"])
+            pieces = []
+        if not (sizes or pieces):
             return
-        from moeserve.engine.graphs import DecodeGraphs
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info(self.device)[0]
-        self.graphs = DecodeGraphs(self, sizes)
-        self.graphs.capture(progress=progress)
+        if sizes:
+            from moeserve.engine.graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self, sizes)
+            self.graphs.capture(progress=progress)
+        t1 = time.perf_counter()
+        if pieces:
+            from moeserve.engine.piecewise import PiecewiseGraphs
+            self.piecewise = PiecewiseGraphs(self, pieces)
+            self._capture_piecewise(progress)
         torch.cuda.synchronize(self.device)
         self.graph_capture_seconds = time.perf_counter() - t0
         self.startup_phases["cuda_graphs"] = round(self.graph_capture_seconds, 3)
         self.graph_memory_bytes = max(0, free0 - torch.cuda.mem_get_info(self.device)[0])
-        log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s; they hold %.0f MiB",
-                 len(self.graphs.sizes), self.graphs.sizes, self.graph_capture_seconds, self.graph_memory_bytes / 2**20)
+        if self.graphs is not None:
+            log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs.sizes),
+                     self.graphs.sizes, t1 - t0)
+        if self.piecewise is not None:
+            log.info("captured piecewise CUDA graphs of %d token counts (%d to %d) in %.1f s",
+                     len(self.piecewise.sizes), self.piecewise.sizes[0], self.piecewise.max_tokens,
+                     time.perf_counter() - t1)
+        log.info("the CUDA graphs hold %.0f MiB", self.graph_memory_bytes / 2**20)
+
+    def _capture_piecewise(self, progress: bool) -> None:
+        if not progress:
+            self.piecewise.capture()
+            return
+        from rich.progress import Progress
+        with Progress(transient=False) as bar:
+            task = bar.add_task("capturing piecewise CUDA graphs", total=len(self.piecewise.sizes))
+            self.piecewise.capture(lambda t: bar.update(
+                task, advance=1, description=f"capturing piecewise CUDA graphs ({t} tokens)"))
 
     @torch.no_grad()
     def warm_up(self) -> None:
@@ -377,11 +410,16 @@ class ModelRunner:
             if all(it.samples for it in items):
                 return logits[:len(items)], None
             return logits[batch.logits_indices.long()], None
-        batch = self.builder.build(items, prev_tokens=prev)
+        pieces = self.piecewise
+        size = pieces.bucket(step.num_tokens) if pieces is not None and not scores_prompt else None
+        batch = self.builder.build(items, prev_tokens=prev, pad_to=size, fixed=size is not None)
         self._before_plan()
         self.ops.attention.begin(batch.attn)
         self._after_plan()
-        hidden = self.model(batch.input_ids, batch.positions)
+        if size is not None:
+            hidden = pieces.replay(size, batch)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions)
         return self.model.compute_logits(hidden[batch.logits_indices]), hidden if scores_prompt else None
 
     def _score_prompts(self, step: StepInput, hidden: torch.Tensor) -> PromptLogprobs | None:

@@ -20,6 +20,17 @@ class AttentionBackend(ABC):
     # ``forward_qkv`` takes the QKV projection whole (q/k norm, rotary embedding and KV append in one kernel);
     # a backend that can sets ``fuse_qkv`` on its instances (the engine's ``attention_fused_qkv`` may clear it)
     fuse_qkv: bool = False
+    # piecewise CUDA graphs: while ``split`` (``moeserve.ops.attention.AttentionSplit``) is set, ``forward_qkv``
+    # writes q into its buffer and returns ``split.attend(layer, q)`` instead of attending; ``run_layer`` attends
+    split = None
+
+    @property
+    def supports_piecewise(self) -> bool:
+        """Whether steps can be captured in pieces around the attention (``split``, ``run_layer``)."""
+        return False
+
+    def run_layer(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
+        raise NotImplementedError(f"attention backend {self.name!r} cannot be captured in pieces")
 
     @abstractmethod
     def begin(self, inp) -> None:

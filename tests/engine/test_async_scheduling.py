@@ -25,9 +25,9 @@ def watch_builds(engine) -> list[int]:
     counts = []
     build = engine.runner.builder.build
 
-    def counting(items, pad_to=None, prev_tokens=None):
+    def counting(items, **kw):
         counts.append(sum(it.inflight_row >= 0 for it in items))
-        return build(items, pad_to=pad_to, prev_tokens=prev_tokens)
+        return build(items, **kw)
 
     engine.runner.builder.build = counting
     return counts

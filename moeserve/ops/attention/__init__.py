@@ -1,6 +1,7 @@
 """Paged attention: the per-step inputs every backend reads, and the backends themselves."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,3 +32,12 @@ class AttentionInputs:
     slot_mapping: torch.Tensor  # [T] int64: page * page_size + offset of each new token
     batch_indices: torch.Tensor  # [T] int32: which request each new token belongs to
     token_positions: torch.Tensor  # [T] int32: each new token's position within its request
+
+
+@dataclass
+class AttentionSplit:
+    """Where a piecewise CUDA-graph capture cuts a layer: ``q`` is the fixed buffer the QKV kernel writes the
+    queries into; ``attend(layer, q)`` ends the piece and returns the fixed buffer the attention's output will be
+    in when the piece after it runs."""
+    q: torch.Tensor
+    attend: Callable[[int, torch.Tensor], torch.Tensor]

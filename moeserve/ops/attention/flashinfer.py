@@ -10,6 +10,10 @@
   (``moeserve.ops.attention.qkv_triton``).
 - CUDA graphs: each captured decode batch size gets its own decode wrapper with fixed index buffers;
   ``begin_graph`` plans it and copies the step's positions into the fixed buffers before replay.
+- Piecewise CUDA graphs (prefill and mixed steps): while the engine captures the layers between attentions,
+  ``split`` is set and ``forward_qkv`` writes q into the split's fixed buffer and hands it to the split instead
+  of running the attention; at replay the engine calls ``run_layer`` between the pieces, eagerly, on the plan
+  of ``begin``.
 
 ``plan()`` defaults to fp16 queries and non-causal masks; both are set explicitly here.
 """
@@ -21,7 +25,7 @@ import torch
 
 from moeserve.kernel_cache import flashinfer_env  # noqa: F401
 from moeserve.kernel_cache.modules import DECODE_GEN, PREFILL_GEN, KernelModule, Target, dtype_arg, short_dtype
-from moeserve.ops.attention import AttentionInputs
+from moeserve.ops.attention import AttentionInputs, AttentionSplit
 from moeserve.ops.interfaces import AttentionBackend
 from moeserve.ops.kv_cache import KVCache
 
@@ -64,6 +68,12 @@ class FlashInferAttention(AttentionBackend):
         self.graphs: dict[int, _GraphBuffers] = {}
         self.inp: AttentionInputs | None = None
         self.wrapper = None
+        self.split: AttentionSplit | None = None  # set while the engine captures piecewise CUDA graphs
+
+    @property
+    def supports_piecewise(self) -> bool:
+        """The one-kernel QKV path can be cut before the attention (``split``)."""
+        return self.fuse_qkv
 
     # --- eager steps ---------------------------------------------------------------------------
     def _plan_decode(self, wrapper, inp: AttentionInputs) -> None:
@@ -94,10 +104,18 @@ class FlashInferAttention(AttentionBackend):
                     q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
         cache = self.kv.layer(layer)
         inp = self.inp
+        split = self.split
         q = self._qkv_rope_append(qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim, cache,
                                   inp.batch_indices, inp.token_positions, inp.kv_indices, inp.kv_indptr,
-                                  q_norm, k_norm, eps)
+                                  q_norm, k_norm, eps, out=None if split is None else split.q[:qkv.shape[0]])
+        if split is not None:
+            return split.attend(layer, q)
         return self.wrapper.run(q, cache)
+
+    def run_layer(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
+        """The attention of ``layer`` for the queries ``q`` (their keys and values already in the cache) into
+        ``out``, on the plan of the last ``begin``."""
+        self.wrapper.run(q, self.kv.layer(layer), out=out)
 
     # --- CUDA-graph decode ---------------------------------------------------------------------
     def init_graph(self, batch_size: int, max_pages_per_seq: int) -> None:

@@ -125,15 +125,21 @@ def qkv_rope_append(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
                     num_kv_heads: int, head_dim: int, cache: torch.Tensor, batch_indices: torch.Tensor,
                     kv_positions: torch.Tensor, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
                     q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                    eps: float = 1e-6) -> torch.Tensor:
+                    eps: float = 1e-6, out: torch.Tensor | None = None) -> torch.Tensor:
     """q ``[T, Hq, D]`` (normed when ``q_norm``, rotated), with k (normed, rotated) and v of ``qkv``
     ``[T, (Hq + 2 Hkv) * D]`` written into ``cache`` ``[pages, 2, page_size, Hkv, D]`` (FlashInfer's NHD layer)
     at each token's slot. ``cos_sin``: float32 ``[positions, rotary_dim]``, cos then sin (neox rotation of the
     first ``rotary_dim`` dims of each head). ``q_norm``/``k_norm``: per-head RMSNorm weights ``[D]`` (both or
-    neither)."""
+    neither). ``out``: where q goes (contiguous ``[T, Hq, D]`` of qkv's dtype), else a new tensor."""
     _check(qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache)
     t = qkv.shape[0]
-    q = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if out is None:
+        q = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    elif out.shape != (t, num_heads, head_dim) or out.dtype != qkv.dtype or not out.is_contiguous():
+        raise ValueError(f"qkv_rope_append: out {tuple(out.shape)} {out.dtype} is not a contiguous "
+                         f"[{t}, {num_heads}, {head_dim}] tensor of {qkv.dtype}")
+    else:
+        q = out
     if t == 0:
         return q
     rot = cos_sin.shape[1]
