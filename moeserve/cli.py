@@ -175,7 +175,7 @@ def _torchrun_rank(args) -> int | None:
 USER_ERRORS = [("moeserve.config", "ConfigError"), ("moeserve.hub", "HubError"), ("moeserve.weights", "WeightError"),
                ("moeserve.backends", "BackendUnavailable"), ("moeserve.hardware", "DeviceError"),
                ("moeserve.engine.requests", "RequestError"), ("moeserve.kernel_cache.layout", "KernelCacheError"),
-               ("moeserve.deps", "MissingDependency")]
+               ("moeserve.deps", "MissingDependency"), ("moeserve.bench.serving_overhead", "ServerStartError")]
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:

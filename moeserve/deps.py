@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib
 
 # module -> (package to install, the extra that brings it)
-EXTRAS = {"matplotlib": ("matplotlib", "bench"), "httpx": ("httpx", "bench"), "openai": ("openai", "bench")}
+EXTRAS = {"matplotlib": ("matplotlib", "bench"), "httpx": ("httpx", "bench"), "openai": ("openai", "bench"),
+          "zmq": ("pyzmq", None)}
+SERVER_MODULES = ("zmq", "fastapi", "uvicorn")  # what ``moeserve serve`` needs beyond the engine
 
 
 class MissingDependency(RuntimeError):

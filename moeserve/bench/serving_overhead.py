@@ -20,11 +20,13 @@ import argparse
 import asyncio
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -105,6 +107,10 @@ def run_offline(config, args, levels: dict[int, tuple[list, list]]) -> list[dict
 
 # --- online ----------------------------------------------------------------------------------------
 
+class ServerStartError(RuntimeError):
+    """``moeserve serve`` exited, or was not ready in time, before the online runs (its own output says why)."""
+
+
 def start_server(config, timeout: float) -> tuple[subprocess.Popen, str, Path]:
     """``moeserve serve`` on ``config`` (port chosen by the server) in a child process; returns it and its URL."""
     import yaml
@@ -114,16 +120,35 @@ def start_server(config, timeout: float) -> tuple[subprocess.Popen, str, Path]:
     (tmp / "config.yaml").write_text(yaml.safe_dump(data))
     proc = subprocess.Popen([sys.executable, "-m", "moeserve.cli", "serve", "--config", str(tmp / "config.yaml")],
                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    lines: queue.Queue = queue.Queue()
+
+    def read():  # for the server's whole life, so a full pipe never blocks it
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+    threading.Thread(target=read, name="moeserve-serve-stdout", daemon=True).start()
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
+    ended = False
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if line is None:
+            ended = True  # its output closed: it is exiting
             break
         m = re.search(r"serving .* at (http://\S+)/v1", line)
         if m:
             return proc, m.group(1), tmp
-    proc.kill()
-    raise RuntimeError(f"moeserve serve did not start (exit code {proc.poll()})")
+    try:
+        code = proc.wait(10.0) if ended else None
+    except subprocess.TimeoutExpired:
+        code = None
+    if code is None:
+        proc.kill()
+        proc.wait()
+        raise ServerStartError(f"moeserve serve was not ready after {timeout:.0f} s (--server-timeout)")
+    raise ServerStartError(f"moeserve serve exited with code {code} before it was ready (its output above says why)")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -224,7 +249,10 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from moeserve.config import resolve_model_source
     from moeserve.models import arch_from_hf
+    from moeserve.deps import SERVER_MODULES
     config = config_from_args(args)
+    for module in SERVER_MODULES:  # before the offline runs, not after them
+        require(module, "moeserve bench serving (it starts moeserve serve)")
     vocab = arch_from_hf(resolve_model_source(config.model, config.weights_dir).config).vocab_size
     levels = _levels(args, vocab)
     offline = run_offline(config, args, levels)

@@ -65,6 +65,9 @@ def serve_config_from_args(args: argparse.Namespace):
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from moeserve.deps import SERVER_MODULES, require
+    for module in SERVER_MODULES:  # installed with moeserve; one line, not an import traceback, where one is not
+        require(module, "moeserve serve")
     from moeserve.server.engine_client import EngineStartError
 
     config = serve_config_from_args(args)
