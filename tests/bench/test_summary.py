@@ -33,8 +33,9 @@ def test_summary_carries_the_provenance_and_every_cell():
     assert [e["engine"] for e in s["engines"]] == ["moeserve", "vllm:default"]
     assert s["workloads"]["decode"]["8"]["vllm:default"]["decode_tok_s"] == 1672.0
     table = markdown_table(s)
-    assert "| 1 | 400 | 413 | 0.97 | 20.0 | 30.0 | 50% | 52% |" in table
+    assert "| 1 | 400 | 413 | 0.97 | 20.0 | 30.0 | 50.0% | 52.0% |" in table
     assert "| 8 | 1,800 | 1,672 | 1.08 |" in table and "weights: shared-checkpoint" in table
+    assert "| 80.0% | 74.0% |" in table  # one decimal: 89.6% must not read as 90%
     # the fractions' denominator is named: it differs between GPUs of one kind
     assert s["copy_bandwidth_gb_s"] == 4086.7 and "copy bandwidth measured in the run, 4,087 GB/s" in table
     without = result()
