@@ -36,6 +36,8 @@ class StepBatch:
 
 class BatchBuilder:
     def __init__(self, page_size: int, max_tokens: int, max_seqs: int, max_pages: int, device: torch.device):
+        """``max_pages``: the most page entries a step lists, its requests' pages summed (pages shared through the
+        prefix cache count once per request)."""
         self.page_size = page_size
         self.device = device
         self.max_tokens = max_tokens
@@ -142,6 +144,8 @@ class BatchBuilder:
             host.numpy()[:] = flat
             offs = np.concatenate([[0], np.cumsum(sizes)])
         if self.dev is not None:
+            if n_all > self.dev.numel():  # more page entries than sized for: a new, larger buffer
+                self.dev = torch.zeros(2 * n_all, dtype=torch.int32, device=self.device)
             dev = self.dev[:n_all]
             dev.copy_(host, non_blocking=True)
         else:

@@ -120,8 +120,9 @@ class ModelRunner:
                           self.arch.head_dim, self.dtype, self.device)
         self.ops.attention = self._make_attention(self.kv)
         self.sampler = plan.backend_class("sampling")(self.device, cfg.seed)
+        # a step lists each request's pages, shared prefix pages once per request: up to max_pages_per_seq each
         self.builder = BatchBuilder(self.page_size, max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
-                                    cfg.max_num_seqs, num_pages + cfg.max_num_seqs, self.device)
+                                    cfg.max_num_seqs, cfg.max_num_seqs * self.max_pages_per_seq, self.device)
         self.graphs = None
         self.piecewise = None
         self._plan_copied = None  # event after the last plan()'s host-to-device copy

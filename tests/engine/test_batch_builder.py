@@ -108,3 +108,17 @@ def test_piecewise_graph_sizes():
     assert make_config(prefill_graph_token_sizes=[300, 40, 5000]).prefill_graph_sizes() == [40, 300]
     for off in ({"prefill_graph_max_tokens": 0}, {"enforce_eager": True}, {"torch_compile": True}):
         assert make_config(**off).prefill_graph_sizes() == []
+
+
+def test_pages_shared_by_many_requests_fit_the_device_buffer():
+    """With prefix caching several requests list the same pages, so a step can list more page entries than the
+    pool has pages. The runner sizes the device buffer for every request's pages; one too small for a step (here
+    a CPU stand-in for the GPU's) is replaced by a larger one instead of failing the step."""
+    builder = BatchBuilder(PAGE, 64, 8, 8, torch.device("cpu"))
+    builder.dev = torch.zeros(200, dtype=torch.int32)  # a GPU builder's buffer, sized for fewer entries
+    shared = list(range(1, 41))  # a 160-token prefix in 40 pages, more than max_pages
+    items = [request(f"r{i}", 160, [5], shared + [41 + i]) for i in range(8)]
+    batch = builder.build(items)
+    assert batch.attn.kv_indices.tolist() == (shared + [41]) + sum(([*shared, 41 + i] for i in range(1, 8)), [])
+    assert batch.attn.kv_indptr.tolist() == [41 * i for i in range(9)]
+    assert builder.dev.numel() >= 8 * 41
