@@ -332,7 +332,6 @@ class EngineConfig(_Strict):
             sizes = [1, 2, 4, 8] + list(range(16, 257, 16))
         return [b for b in sizes if b <= self.max_num_seqs] or ([self.max_num_seqs] if sizes else [])
 
-
     def prefill_graph_sizes(self) -> list[int]:
         """Token counts of the piecewise CUDA graphs of steps the decode graphs do not cover (none without CUDA
         graphs, with torch_compile or on several GPUs)."""

@@ -70,7 +70,12 @@ def _interpreter_worker(in_path: str, out_path: str) -> None:
     for name, args in torch.load(in_path).items():
         cache = args[6].clone()
         q = qkv_rope_append(*args[:6], cache, *args[7:], eps=1e-6)
-        out[name] = (q, cache)
+        # the same into the first rows of a given buffer (the piecewise graphs' fixed q), the rest poisoned
+        t, hq, d = args[0].shape[0], args[3], args[5]
+        buf = torch.full((t + 3, hq, d), float("nan"))
+        view = buf[:t]
+        into = qkv_rope_append(*args[:6], args[6].clone(), *args[7:], eps=1e-6, out=view)
+        out[name] = (q, cache, buf, into is view)
     torch.save(out, out_path)
 
 
@@ -86,7 +91,9 @@ def test_qkv_kernel_matches_the_reference_under_the_interpreter(interpreted, nam
     from moeserve.ops.attention.qkv_triton import qkv_rope_append_reference
     inputs, outputs = interpreted
     args = inputs[name]
-    q, cache = outputs[name]
+    q, cache, buf, in_place = outputs[name]
+    t = args[0].shape[0]
+    assert in_place and torch.equal(buf[:t], q) and buf[t:].isnan().all(), "out= must get q and nothing past it"
     ref_cache = args[6].clone()
     ref_q = qkv_rope_append_reference(*args[:6], ref_cache, *args[7:], eps=1e-6)
     assert q.shape == (args[0].shape[0], args[3], args[5])
@@ -94,6 +101,16 @@ def test_qkv_kernel_matches_the_reference_under_the_interpreter(interpreted, nam
     torch.testing.assert_close(cache, ref_cache, **FP32_TOL, msg=lambda m: f"seed {SEED}: cache: {m}")
     if args[0].shape[0]:
         assert not torch.equal(cache, args[6]), "no token was written"
+
+
+def test_an_out_buffer_of_the_wrong_shape_or_layout_is_refused():
+    from moeserve.ops.attention.qkv_triton import qkv_rope_append
+    args = make_case(CASES["mha-decode"], torch.float32, torch.Generator().manual_seed(0))
+    t, hq, d = args[0].shape[0], args[3], args[5]
+    for bad in (torch.empty(t + 1, hq, d), torch.empty(t, hq, d, dtype=torch.bfloat16),
+                torch.empty(hq, t, d).transpose(0, 1)):
+        with pytest.raises(ValueError, match="qkv_rope_append: out"):
+            qkv_rope_append(*args, out=bad)
 
 
 def test_reference_rotates_like_the_torch_rope_backend():
