@@ -40,7 +40,7 @@ def lockstep(fast, ref, prompts: list[list[int]], max_tokens: int, follow: str =
         fast.add_request(p, params)
         ref.add_request(p, params)
     cos, agree, graph_steps = [], [], 0
-    pieces = getattr(fast.runner, "piecewise", None)
+    pieces = fast.runner.piecewise
     replays = pieces.replays if pieces is not None else 0
     while ref.has_unfinished():
         a, b = fast.scheduler.schedule(), ref.scheduler.schedule()

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from moeserve.args import add_config_args, config_from_args
 from moeserve.bench import online
-from moeserve.deps import require
+from moeserve.deps import SERVER_MODULES, require
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -249,7 +249,6 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from moeserve.config import resolve_model_source
     from moeserve.models import arch_from_hf
-    from moeserve.deps import SERVER_MODULES
     config = config_from_args(args)
     for module in SERVER_MODULES:  # before the offline runs, not after them
         require(module, "moeserve bench serving (it starts moeserve serve)")

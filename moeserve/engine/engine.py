@@ -233,7 +233,7 @@ class LLMEngine:
             "backends": dict(r.backend_names), "fusions": r.fusions, "kv_pages": self.pool.capacity,
             "page_size": self.pool.page_size,
             "max_model_len": self.max_model_len, "cuda_graph_batch_sizes": r.graphs.sizes if r.graphs else [],
-            "prefill_graph_token_sizes": r.piecewise.sizes if getattr(r, "piecewise", None) else [],
+            "prefill_graph_token_sizes": r.piecewise.sizes if r.piecewise else [],
             "init_seconds": r.init_seconds, "load_seconds": r.load_seconds,
             "graph_capture_seconds": r.graph_capture_seconds, "ready_seconds": self.ready_seconds,
             "startup_phases": dict(self.startup_phases), "weights_bytes": r.weights_bytes,
