@@ -4,13 +4,16 @@ triton``; ``auto`` keeps cuBLAS).
 At decode batch sizes cuBLAS picks tile shapes made for larger M: on an H200 the c=1 step of Qwen1.5-MoE spends
 1.44 ms in GEMMs whose weights need ~0.77 ms to read. Here each program owns ``BLOCK_N`` output features and
 walks the whole ``K`` of their weight rows, multiplying by every row of ``x`` at once (``tl.dot`` with the rows
-padded to 16); the bias is added in the epilogue. Steps of more than ``max_tokens`` rows, narrow weights and
-other dtypes run ``F.linear``.
+padded to 16); the bias is added in the epilogue. Steps of more than ``max_tokens`` rows, weights narrower
+than ``GEMV_MIN_N`` (a router) or wider than ``GEMV_MAX_N`` (an LM head, which cuBLAS reads at the copy
+bandwidth) and other dtypes run ``F.linear``.
 
 Measured on an H200 (docs/results/2026-12-01-h200-b), with a first tile config (BLOCK_N 16): a c=1 decode
 step's GEMM time went from 1.44 ms (cuBLAS) to 1.57 ms (1.30 ms of it the GEMV, 96 launches), and decode
-throughput at c = 1 to 8 moved by less than the run-to-run spread, so ``auto`` does not pick it. The tile
-sweep's faster configs below were not measured end to end.
+throughput at c = 1 to 8 moved by less than the run-to-run spread. With the current tiles and the LM head left
+to cuBLAS (docs/results/2026-12-02-h200-m), ``linear_gemv_max_tokens: 1`` (the default) decoded 1.9% faster
+than cuBLAS at c=1 in one A/B of two rounds; at c=2 the GEMV (``linear_gemv_max_tokens: 4``) was 2.5% slower.
+``auto`` keeps cuBLAS.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from moeserve.quant.fp8 import fp8_linear_reference
 
 GEMV_MAX_ROWS = 16  # rows of x one launch takes (tl.dot's smallest tile)
 GEMV_MIN_N = 256  # narrower weights (a router) leave most SMs idle in a GEMV: cuBLAS
+GEMV_MAX_N = 16384  # wider ones (the LM head) cuBLAS reads at the copy bandwidth (160 us against the GEMV's 197)
 
 
 @triton.jit
@@ -105,8 +109,8 @@ class TritonLinear(LinearBackend):
     def takes_shape(self, rows: int, n: int, dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
         """Whether a step of ``rows`` rows times an ``[n, *]`` weight runs the GEMV (also what ``moeserve
         precompile`` builds)."""
-        return (0 < rows <= self.max_tokens and n >= GEMV_MIN_N and dtype in (torch.bfloat16, torch.float16)
-                and weight_dtype == dtype)
+        return (0 < rows <= self.max_tokens and GEMV_MIN_N <= n <= GEMV_MAX_N
+                and dtype in (torch.bfloat16, torch.float16) and weight_dtype == dtype)
 
     def takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0

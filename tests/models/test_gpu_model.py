@@ -131,6 +131,22 @@ def test_shared_expert_on_a_side_stream_matches_one_stream(tmp_path):
     assert r.worst > 0.99999 and r.agreement == 1.0
 
 
+def test_gemv_backend_follows_the_cublas_engine(tmp_path):
+    """``backends.linear: triton``: the dense linears of steps of up to 4 tokens run the Triton GEMV inside the
+    decode graphs; against the cuBLAS engine (other rounding, so the fast path's tolerance: worst cosine > 0.999,
+    at least 95% of greedy tokens the same)."""
+    make_checkpoint("qwen2_moe", tmp_path, seed=12, **GPU_QWEN2)
+    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
+    gemv = engine(tmp_path, {**fast, "moe": "triton", "linear": "triton"}, eager=False, linear_gemv_max_tokens=4)
+    ref = engine(tmp_path, {**fast, "moe": "triton"}, eager=False)
+    assert gemv.runner.ops.linear.name == "triton" and ref.runner.ops.linear.name != "triton"
+    g = torch.Generator().manual_seed(17)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 50, 7, 20)]
+    r = lockstep(gemv, ref, prompts, MAX_TOKENS, follow="fast")
+    assert r.graph_steps > 0
+    assert r.worst > 0.999 and r.agreement >= 0.95
+
+
 @pytest.mark.parametrize("first", ["shared", "routed"])
 def test_stream_priorities_leave_the_logits_alone(tmp_path, first):
     """``shared_expert_stream_priority``: the shared expert's stream or the main stream captured at the higher

@@ -76,6 +76,9 @@ def test_backend_takes_only_small_half_precision_cuda_steps():
     lin = TritonLinear(torch.device("cpu"), torch.float32, max_tokens=8)
     x, w, b = torch.randn(2, 16), torch.randn(8, 16), torch.randn(8)
     assert not lin.takes(x, w)
+    bf = torch.bfloat16  # the shapes it would take on a GPU: not the router (64 rows) nor the LM head
+    assert lin.takes_shape(1, 6144, bf, bf) and not lin.takes_shape(1, 64, bf, bf)
+    assert not lin.takes_shape(1, 151936, bf, bf) and not lin.takes_shape(9, 6144, bf, bf)
     assert torch.equal(lin.linear(x, w, b), F.linear(x, w, b))
 
 
