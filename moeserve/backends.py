@@ -95,7 +95,8 @@ SPECS: dict[str, list[BackendSpec]] = {
                     "moeserve.ops.linear:flashinfer_modules"),
         BackendSpec("linear", "torch", "moeserve.ops.linear:TorchLinear", Requirements(),
                     "torch matmul (cuBLAS on GPU)"),
-        # after torch: auto never picks it (on an H200 it was no faster than cuBLAS)
+        # after torch: auto never picks it (on an H200, 1.9% faster than cuBLAS at one token in one A/B, slower at
+        # two; not yet run through the GPU suite and the benchmark as the default)
         BackendSpec("linear", "triton", "moeserve.ops.linear_triton:TritonLinear",
                     Requirements(cuda=True, min_capability=(8, 0), packages=("triton",), quantization=("none",),
                                  dtypes=_HALF),

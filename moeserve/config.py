@@ -246,7 +246,7 @@ class EngineConfig(_Strict):
         "to the residual and applies the next layer's input norm (or the final norm), one launch per layer fewer")
     linear_gemv_max_tokens: int = Field(
         1, ge=0, le=16, description="with backends.linear: triton, steps of at most this many tokens run moeserve's "
-        "Triton GEMV instead of cuBLAS (on an H200, 1.9% faster at one token, slower at two); 0 always runs cuBLAS")
+        "Triton GEMV instead of cuBLAS (on an H200 it was faster at one token, slower at two); 0 always runs cuBLAS")
     generation_config: str = Field(
         "auto", description="request defaults (temperature, top_p, top_k, min_p): auto reads the model "
         "directory's generation_config.json, vllm uses none, a directory reads that one's")
