@@ -102,7 +102,7 @@ class TritonLinear(LinearBackend):
 
     name = "triton"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, max_tokens: int = 8):
+    def __init__(self, device: torch.device, dtype: torch.dtype, max_tokens: int = 1):  # linear_gemv_max_tokens
         super().__init__(device, dtype)
         self.max_tokens = min(max_tokens, GEMV_MAX_ROWS)
 
