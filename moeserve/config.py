@@ -208,6 +208,10 @@ class EngineConfig(_Strict):
         True, description="FlashInfer attention on a GPU: the q/k norms, rotary embedding and KV-cache append of a "
         "layer in one Triton kernel from the QKV projection (false: the rope and norm backends and FlashInfer's "
         "append, three to seven launches)")
+    attention_decode_triton_max_tokens: int = Field(
+        0, ge=0, le=256, description="with the fused QKV path (attention_fused_qkv): decode steps of at most this "
+        "many tokens run the q/k norms, rotary embedding, KV append and split-KV attention (its splits merged "
+        "in the kernel) as one Triton kernel instead of the QKV kernel and FlashInfer's decode; 0 never")
     # vLLM's VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD
     shared_expert_stream_max_tokens: int = Field(
         256, ge=0, description="steps of at most this many tokens run the shared expert on a second CUDA stream, "

@@ -84,6 +84,16 @@ class RuntimePlan:
                 and names.get("rope") == "flashinfer" and self.kv_dtype == self.dtype)
 
     @property
+    def triton_decode_max_tokens(self) -> int:
+        """Decode steps of at most this many tokens run the one-kernel Triton decode attention
+        (``moeserve.ops.attention.decode_triton``): ``attention_decode_triton_max_tokens`` on the fused QKV path
+        with a rotary width the kernel takes (the head, or at least 16 short of it), up to the largest step."""
+        m = self.arch
+        if not self.fused_qkv or (m.rotary_dim < m.head_dim and m.head_dim - m.rotary_dim < 16):
+            return 0
+        return min(self.config.attention_decode_triton_max_tokens, self.max_step_tokens)
+
+    @property
     def moe_fuse_norm(self) -> bool:
         """Whether the MoE combine applies the next norm (``moe_fuse_norm``; where the MoE backend can,
         ``MoEBackend.fuses_norm``): unquantised experts of one rank, not under torch.compile."""
@@ -118,6 +128,7 @@ class RuntimePlan:
         qkv = self.fused_qkv
         return {"kernels": moe or routing or gemv > 0 or qkv, "moe": moe,
                 "routing": m.routing.method if routing else None, "fused_qkv": qkv,
+                "decode_max_tokens": self.triton_decode_max_tokens,
                 "gemv_max_tokens": gemv, "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
                 "fuse_shared_expert": self.config.moe_fuse_shared_expert,
                 "fuse_norm": moe and self.moe_fuse_norm,

@@ -7,7 +7,10 @@ Variants: ``decode`` (CUDA-core decode, the engine's), ``decode-nosplit`` (the s
 ``decode-tc`` (tensor-core decode: FlashInfer's FA2 prefill kernels, JIT-compiled when not in the kernel
 cache), ``fa3`` (the paged FA3 prefill wrapper with one query per request), ``xqa`` (TensorRT-LLM's XQA decode
 kernel through ``flashinfer.decode.xqa_batch_decode_with_kv_cache``; JIT-compiled), each at every page size
-given.
+given. Two more run the whole attention of a decode layer from its QKV projection: ``qkv+decode`` (the
+engine's QKV kernel, then the CUDA-core decode: what a layer runs by default) and ``triton`` (the one-kernel
+decode of ``moeserve.ops.attention.decode_triton``; ``triton@N`` picks its split count as for a GPU of N SMs),
+checked against ``qkv+decode``; both write the new token's key and value into the last slot of each request.
 
     python scripts/attention_variants.py --batch 1 8 32 64 --context 560 --page-size 16 64 --out attn.json
 """
@@ -109,6 +112,11 @@ def main(argv=None) -> int:
             q = torch.randn(b, hq, d, dtype=dtype, device="cuda", generator=gen)
             kv_bytes = b * args.context * 2 * hkv * d * 2
             outs = {}
+            qkv = torch.randn(b, (hq + 2 * hkv) * d, dtype=dtype, device="cuda", generator=gen)
+            pos = torch.full((b,), args.context - 1, dtype=torch.int32, device="cuda")
+            bidx = torch.arange(b, dtype=torch.int32, device="cuda")
+            cos_sin = torch.randn(args.context, d, dtype=torch.float32, device="cuda", generator=gen)
+            qkv_args = (qkv, pos, cos_sin, hq, hkv, d)
 
             def decode_wrapper(tc: bool, nosplit: bool):
                 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -139,6 +147,20 @@ def main(argv=None) -> int:
                         step = lambda i: xqa_batch_decode_with_kv_cache(  # noqa: E731
                             q, data[i], xqa_ws, table, seq, args.context, bmm1_scale=scale, bmm2_scale=1.0,
                             out=out[i], kv_layout="NHD")
+                    elif name == "qkv+decode":
+                        from moeserve.ops.attention.qkv_triton import qkv_rope_append
+                        w = decode_wrapper(False, False)
+                        qbuf = torch.empty(b, hq, d, dtype=dtype, device="cuda")
+
+                        def step(i, w=w, qbuf=qbuf):
+                            qkv_rope_append(*qkv_args, data[i], bidx, pos, indices, indptr, out=qbuf)
+                            w.run(qbuf, data[i], out=out[i])
+                    elif name.startswith("triton"):
+                        from moeserve.ops.attention.decode_triton import DecodeWorkspace, qkv_decode_attention
+                        sms = int(name.split("@")[1]) if "@" in name else None
+                        tws = DecodeWorkspace(b, hq, hkv, d, torch.device("cuda"), num_sms=sms)
+                        step = lambda i, tws=tws: qkv_decode_attention(  # noqa: E731
+                            *qkv_args, data[i], bidx, pos, indices, indptr, None, None, 1e-6, scale, tws, out=out[i])
                     else:
                         raise ValueError(name)
                     step(0)
@@ -152,7 +174,7 @@ def main(argv=None) -> int:
                                  "error": f"{type(e).__name__}: {e}"[:2000]})
                     continue
                 outs[name] = out
-                ref = outs.get("decode")
+                ref = outs.get("qkv+decode" if name.startswith("triton") else "decode")
                 err = (out.float() - ref.float()).abs().max().item() if ref is not None else 0.0
                 row = {"variant": name, "page_size": ps, "batch": b, "context": args.context, "us_per_layer": us,
                        "kv_tbps": kv_bytes / us / 1e6, "max_abs_err_vs_decode": err, "first_call_s": first,

@@ -220,6 +220,8 @@ class ModelRunner:
         att = self.plan.backend_class("attention")(kv, self.num_heads, self.num_kv_heads, a.head_dim,
                                                    a.head_dim ** -0.5, self.device, self.dtype)
         att.fuse_qkv = att.fuse_qkv and self.plan.fused_qkv
+        if self.plan.triton_decode_max_tokens:
+            att.enable_triton_decode(self.plan.triton_decode_max_tokens, a.rotary_dim)
         return att
 
     def _num_kv_pages(self) -> int:

@@ -258,6 +258,25 @@ def launch_qkv_kernel(plan, tokens: int = 1) -> torch.Tensor:
         eps=m.rms_norm_eps)
 
 
+def launch_decode_kernel(plan, tokens: int = 1) -> torch.Tensor:
+    """The one-kernel decode attention (``moeserve.ops.attention.decode_triton``) as the engine launches it for
+    this plan, on ``meta`` tensors, for a decode step of ``tokens`` tokens (the split count is an argument the
+    kernel is not specialised on: one compile serves every step size, with PDL or without)."""
+    from moeserve.models.parallel import local_heads
+    from moeserve.ops.attention.decode_triton import DecodeWorkspace, qkv_decode_attention
+    m, dev, dt = plan.arch, torch.device("meta"), plan.dtype
+    hq, hkv, _ = local_heads(m, plan.parallel)
+    d, i32 = m.head_dim, dict(dtype=torch.int32, device=dev)
+    norm = (torch.ones(d, dtype=dt, device=dev), torch.ones(d, dtype=dt, device=dev)) if m.qk_norm else (None, None)
+    ws = DecodeWorkspace(tokens, hq, hkv, d, dev, num_sms=132)
+    return qkv_decode_attention(
+        torch.zeros((tokens, (hq + 2 * hkv) * d), dtype=dt, device=dev), torch.zeros(tokens, **i32),
+        torch.zeros((8, m.rotary_dim), dtype=torch.float32, device=dev), hq, hkv, d,
+        torch.zeros((2, 2, plan.config.page_size, hkv, d), dtype=plan.kv_dtype, device=dev),
+        torch.zeros(tokens, **i32), torch.zeros(tokens, **i32), torch.ones(1, **i32), torch.zeros(tokens + 1, **i32),
+        *norm, eps=m.rms_norm_eps, scale=d ** -0.5, workspace=ws)
+
+
 def launch_every_kernel(plan, on_step=None) -> None:
     """Run, on ``meta`` tensors, every Triton launch the plan can make: the attention's QKV kernel, the MoE
     layer (router, routing, fused MoE, combine) for each step size from 1 to the largest, and the GEMV for each
@@ -273,6 +292,11 @@ def launch_every_kernel(plan, on_step=None) -> None:
             for tokens in [1] + ([bound + 1] if 0 < bound < plan.max_step_tokens else []):
                 on_step(tokens)
                 launch_qkv_kernel(plan, tokens)
+        if fp["decode_max_tokens"]:  # likewise one kernel, with PDL or without
+            bound, top = fp["pdl_max_tokens"], fp["decode_max_tokens"]
+            for tokens in [1] + ([bound + 1] if 0 < bound < top else []):
+                on_step(tokens)
+                launch_decode_kernel(plan, tokens)
         if fp["moe"] or fp["routing"]:
             layer = meta_moe_layer(plan)
             h = plan.arch.hidden_size

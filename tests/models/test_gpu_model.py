@@ -147,6 +147,36 @@ def test_gemv_backend_follows_the_cublas_engine(tmp_path):
     assert r.worst > 0.999 and r.agreement >= 0.95
 
 
+@pytest.mark.parametrize("kind, shape, eager", [("qwen3_moe", GPU_QWEN3, False), ("qwen2_moe", GPU_QWEN2, False),
+                                                ("qwen2_moe", GPU_QWEN2, True)])
+def test_triton_decode_attention_matches_torch_path(tmp_path, kind, shape, eager):
+    """``attention_decode_triton_max_tokens``: decode steps run the one-kernel Triton decode attention (in the
+    decode graphs, or eagerly); against the torch path with the fast path's tolerance (cosine > 0.995, 95% of
+    greedy tokens), and against FlashInfer's decode on the same engine otherwise (cosine > 0.999)."""
+    make_checkpoint(kind, tmp_path, seed=21, **shape)
+    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
+    tri = engine(tmp_path, {**fast, "moe": "triton"}, eager=eager, attention_decode_triton_max_tokens=8)
+    att = tri.runner.ops.attention
+    assert att.decode_ws is not None and att.decode_ws.max_tokens == 8
+    calls = []
+    launch = att._qkv_decode
+    att._qkv_decode = lambda *a, **k: calls.append(a[0].shape[0]) or launch(*a, **k)
+    ref = engine(tmp_path, {k: "torch" for k in ("attention", "moe", "routing", "norm", "rope", "activation",
+                                                  "sampling")}, eager=True)
+    g = torch.Generator().manual_seed(23)
+    prompts = [torch.randint(0, shape["vocab_size"], (n,), generator=g).tolist() for n in PROMPT_LENS]
+    r = lockstep(tri, ref, prompts, MAX_TOKENS, follow="fast")
+    assert r.worst > 0.995 and r.agreement >= 0.95
+    if eager:
+        assert calls and max(calls) <= 8, "eager decode steps should have run the Triton decode"
+    else:
+        assert r.graph_steps > 0
+    fi = engine(tmp_path, {**fast, "moe": "triton"}, eager=eager)
+    assert fi.runner.ops.attention.decode_ws is None
+    r = lockstep(tri, fi, prompts, MAX_TOKENS, follow="fast")
+    assert r.worst > 0.999 and r.agreement >= 0.95
+
+
 @pytest.mark.parametrize("first", ["shared", "routed"])
 def test_stream_priorities_leave_the_logits_alone(tmp_path, first):
     """``shared_expert_stream_priority``: the shared expert's stream or the main stream captured at the higher

@@ -156,6 +156,31 @@ def test_the_qkv_kernel_compiles_for_sm90_with_gqa_and_qk_norm(tmp_path):
     assert consts[:5] == ["32", "4", "128", "128", "16"] and consts[-2:] == ["True", "True"]
 
 
+def test_the_decode_kernel_is_listed_with_its_option_and_compiles_for_sm90(tmp_path):
+    """``attention_decode_triton_max_tokens``: the one-kernel decode attention is in the plan (one entry for every
+    step size it serves; two when PDL stops below its bound) and compiles for the H200 at Qwen3-MoE's attention
+    (GQA 32/4, q/k norms) and Qwen1.5-MoE's (MHA); without the option, or without the fused QKV path, it is not."""
+    def entries(model, **kw):
+        plan = plan_for_arch(make_config(model=model, dtype="bfloat16", max_num_batched_tokens=64, max_num_seqs=64,
+                                         **kw), "9.0a")
+        listed = triton_aot.list_kernels(plan, *H200, tmp_path / f"{model}-{len(kw)}-{sorted(kw.items())}"[:60])
+        return plan, [k for k in listed if k["name"] == "qkv_decode_attention_kernel"]
+
+    plan, found = entries("qwen1.5-moe-a2.7b", attention_decode_triton_max_tokens=32)
+    assert plan.triton_decode_max_tokens == 32 and len(found) == 1 and found[0]["constants"]["PDL"] == "True"
+    _, found = entries("qwen1.5-moe-a2.7b", attention_decode_triton_max_tokens=32, pdl_max_tokens=8)
+    assert sorted(k["constants"].get("PDL", "False") for k in found) == ["False", "True"]
+    for kw in ({}, {"attention_decode_triton_max_tokens": 32, "attention_fused_qkv": False}):
+        plan, found = entries("qwen1.5-moe-a2.7b", **kw)
+        assert plan.triton_decode_max_tokens == 0 and found == [], kw
+    import torch
+    plan, _ = entries("qwen3-30b-a3b", attention_decode_triton_max_tokens=16)
+    with triton_aot.compile_session(tmp_path / "c", (9, 0), triton_aot.target_triton_key(None)[0]) as events, \
+            torch.no_grad(), pdl.enabled_as(plan.pdl_max_tokens):
+        triton_aot.launch_decode_kernel(plan, 3)
+    assert [e["name"] for e in events] == ["qkv_decode_attention_kernel"]
+
+
 def test_keys_follow_the_target_python(tmp_path):
     other = "3.12" if triton_aot.python_tag() != "cp312" else "3.11"
     if triton_aot.python_tag(other) == "cp312":

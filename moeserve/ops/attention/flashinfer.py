@@ -5,6 +5,10 @@
 - Any step with a prefill chunk, mixed with decodes or not, uses one causal
   ``BatchPrefillWithPagedKVCacheWrapper`` plan over all its requests (FA3 on sm90), which also covers
   chunked prefill over earlier pages.
+- Decode steps of at most ``attention_decode_triton_max_tokens`` tokens (off by default) can instead run the
+  QKV kernel's work, the attention and the merge of its splits in one Triton kernel
+  (``moeserve.ops.attention.decode_triton``); FlashInfer still plans them (its fixed index buffers are what
+  the kernel reads in CUDA graphs).
 - New keys and values go in through ``flashinfer.page.append_paged_kv_cache``, or, from the QKV projection
   whole (``forward_qkv``), through one Triton kernel that also applies the q/k norms and the rotary embedding
   (``moeserve.ops.attention.qkv_triton``).
@@ -69,6 +73,20 @@ class FlashInferAttention(AttentionBackend):
         self.inp: AttentionInputs | None = None
         self.wrapper = None
         self.split: AttentionSplit | None = None  # set while the engine captures piecewise CUDA graphs
+        self.decode_ws = None  # with enable_triton_decode: decode steps of few tokens in one Triton kernel
+
+    def enable_triton_decode(self, max_tokens: int, rotary_dim: int) -> bool:
+        """Run decode steps of at most ``max_tokens`` tokens through ``moeserve.ops.attention.decode_triton``
+        (QKV kernel, attention and merge in one launch) where it applies: the fused QKV path and a rotary width
+        that is the head or at least 16 short of it. Returns whether it is on."""
+        d = self.head_dim
+        if max_tokens <= 0 or not self.fuse_qkv or (rotary_dim < d and d - rotary_dim < 16):
+            self.decode_ws = None
+            return False
+        from moeserve.ops.attention.decode_triton import DecodeWorkspace, qkv_decode_attention
+        self._qkv_decode = qkv_decode_attention
+        self.decode_ws = DecodeWorkspace(max_tokens, self.num_heads, self.num_kv_heads, d, self.device)
+        return True
 
     @property
     def supports_piecewise(self) -> bool:
@@ -105,6 +123,11 @@ class FlashInferAttention(AttentionBackend):
         cache = self.kv.layer(layer)
         inp = self.inp
         split = self.split
+        ws = self.decode_ws
+        if ws is not None and split is None and inp.is_decode and qkv.shape[0] <= ws.max_tokens:
+            return self._qkv_decode(qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim, cache,
+                                    inp.batch_indices, inp.token_positions, inp.kv_indices, inp.kv_indptr, q_norm,
+                                    k_norm, eps, self.scale, ws)
         q = self._qkv_rope_append(qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim, cache,
                                   inp.batch_indices, inp.token_positions, inp.kv_indices, inp.kv_indptr,
                                   q_norm, k_norm, eps, out=None if split is None else split.q[:qkv.shape[0]])

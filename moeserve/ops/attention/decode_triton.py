@@ -1,0 +1,274 @@
+"""A decode step's attention from the QKV projection in one Triton kernel: q/k RMSNorm (when the model has it),
+neox rotary embedding, the new key and value into the paged cache, and split-KV attention over each request's
+pages, the splits merged by the last of them to finish.
+
+On FlashInfer's path a decode layer launches the QKV kernel (``moeserve.ops.attention.qkv_triton``), the
+split-KV decode kernel and, where it splits, a merge kernel: for a one-token step three latency-bound kernels
+in a row that each wait for the one before. Here it is one launch of ``(tokens, kv heads, splits)`` programs.
+Program ``(t, h, s)`` rotates the queries of kv head ``h``'s group, attends over split ``s`` of request ``t``'s
+cached keys (positions ``[s * chunk, (s + 1) * chunk)``, the new token excluded), and the program whose split
+holds the new token's position also attends to the new key and value from registers and writes them into
+their cache slot. With one split a program writes its output; with several each writes its partial (running
+max, sum and unnormalised output, float32) and adds one to its (token, head) counter; the program that finds
+it was the last reads the partials back, merges them, writes the output and resets the counter to zero, so
+the kernel can be replayed in a CUDA graph. The split count depends only on the step's token count
+(:func:`num_splits`), so a captured graph keeps it.
+
+Decode only: every token is its request's last (``kv_positions[t] + 1`` keys). Numerics follow the unfused
+path: q and the new k rounded to the cache dtype after the rotation as the QKV kernel rounds them, scores and
+softmax in float32, probabilities rounded to the cache dtype before the product with the values.
+``decode_attention_reference`` is the same computation in torch, for tests.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from moeserve.ops.attention.qkv_triton import _norm_rope_heads, _store_heads, qkv_rope_append_reference
+from moeserve.ops.pdl import launch_kwargs
+from moeserve.ops.pdl_triton import wait_prior
+
+MAX_SPLITS = 16
+BLOCK_N = 16  # keys per iteration
+LOG2E = 1.4426950408889634
+
+
+def num_splits(tokens: int, num_kv_heads: int, num_sms: int) -> int:
+    """Splits per (token, kv head) for a step of ``tokens`` tokens: enough programs for about four per SM, at
+    most ``MAX_SPLITS``."""
+    return max(1, min(MAX_SPLITS, -(-4 * num_sms // max(1, tokens * num_kv_heads))))
+
+
+@triton.jit
+def _dot_halves(q1, q2, qr, k1, k2, kr, HAS_REST: tl.constexpr):
+    """Scores ``[G, N]`` of queries and keys given as their rotated halves and unrotated rest."""
+    s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+    if HAS_REST:
+        s += tl.dot(qr, tl.trans(kr))
+    return s
+
+
+# (index tensors are slices of one packed buffer, as for the QKV kernel; ``nsplit`` is not specialised on, so one
+# compile serves every step size)
+@triton.jit(do_not_specialize=["nsplit"],
+            do_not_specialize_on_alignment=["pos_ptr", "batch_ptr", "kv_pos_ptr", "kv_indices_ptr", "kv_indptr_ptr"])
+def qkv_decode_attention_kernel(
+        qkv_ptr, pos_ptr, cos_sin_ptr, out_ptr, cache_ptr, batch_ptr, kv_pos_ptr, kv_indices_ptr, kv_indptr_ptr,
+        q_norm_ptr, k_norm_ptr, part_o_ptr, part_ml_ptr, counter_ptr,
+        stride_qkv, stride_cs, stride_out, stride_page, stride_kv, stride_slot, stride_head, eps, scale_log2,
+        nsplit,
+        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, PAGE: tl.constexpr,
+        G: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
+        QK_NORM: tl.constexpr, BLOCK: tl.constexpr, SPLIT_PAD: tl.constexpr, PDL: tl.constexpr = False):
+    wait_prior(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    HALF: tl.constexpr = ROT // 2
+    HAS_REST: tl.constexpr = ROT < D
+    cdt = cache_ptr.dtype.element_ty
+    d = tl.arange(0, HALF_PAD)
+    r = tl.arange(0, REST_PAD)
+    dd = tl.arange(0, D_PAD)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=d < HALF, other=0.0)
+    src = qkv_ptr + t * stride_qkv
+    g = tl.arange(0, G_PAD)
+    gm = g < G
+    qh = h * G + g
+    q1, q2, qr = _norm_rope_heads(src, qh, gm, q_norm_ptr, cos, sin, eps, cdt, D, ROT, HALF_PAD, REST_PAD, QK_NORM)
+    q1, q2, qr = q1.to(cdt), q2.to(cdt), qr.to(cdt)  # as the QKV kernel writes q
+
+    b = tl.load(batch_ptr + t)
+    kv_pos = tl.load(kv_pos_ptr + t)  # the new token's position: the request holds kv_pos + 1 keys
+    first_page = tl.load(kv_indptr_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(kv_pos + 1, nsplit), BLOCK) * BLOCK
+    start = s * per_split
+    end = tl.minimum(start + per_split, kv_pos + 1)
+    stop = tl.minimum(end, kv_pos)  # cached keys of this split (the new one comes from registers)
+
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    head = cache_ptr + h * stride_head
+    for n0 in range(start, stop, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        nm = n < stop
+        page = tl.load(kv_indices_ptr + first_page + n // PAGE, mask=nm, other=0).to(tl.int64)
+        row = head + page * stride_page + (n % PAGE).to(tl.int64) * stride_slot
+        k1 = tl.load(row[:, None] + d[None, :], mask=nm[:, None] & (d[None, :] < HALF), other=0.0)
+        k2 = tl.load(row[:, None] + HALF + d[None, :], mask=nm[:, None] & (d[None, :] < HALF), other=0.0)
+        if HAS_REST:
+            kr = tl.load(row[:, None] + ROT + r[None, :], mask=nm[:, None] & (r[None, :] < D - ROT), other=0.0)
+        else:
+            kr = k1  # unused
+        v = tl.load(row[:, None] + stride_kv + dd[None, :], mask=nm[:, None] & (dd[None, :] < D), other=0.0)
+        sc = _dot_halves(q1, q2, qr, k1, k2, kr, HAS_REST) * scale_log2
+        sc = tl.where(nm[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(cdt), v)
+        m_i = m_new
+
+    if (start <= kv_pos) & (kv_pos < end):  # this split holds the new token: attend to it, then cache it
+        one = tl.arange(0, 2)
+        om = one < 1
+        kh = h + one
+        k1n, k2n, krn = _norm_rope_heads(src + HQ * D, kh, om, k_norm_ptr, cos, sin, eps, cdt, D, ROT, HALF_PAD,
+                                         REST_PAD, QK_NORM)
+        vn = tl.load(src + (HQ + HKV) * D + kh[:, None] * D + dd[None, :], mask=om[:, None] & (dd[None, :] < D),
+                     other=0.0)
+        page = tl.load(kv_indices_ptr + first_page + kv_pos // PAGE).to(tl.int64)
+        slot = cache_ptr + page * stride_page + (kv_pos % PAGE).to(tl.int64) * stride_slot
+        _store_heads(slot, stride_head, kh, om, k1n, k2n, krn, D, ROT, HALF_PAD, REST_PAD)
+        tl.store(slot + stride_kv + kh[:, None] * stride_head + dd[None, :], vn, mask=om[:, None] & (dd[None, :] < D))
+        # the new key as the cache holds it (row 0 of the two; row 1 is masked to zero)
+        k1v = tl.sum(k1n.to(cdt).to(tl.float32), axis=0)
+        k2v = tl.sum(k2n.to(cdt).to(tl.float32), axis=0)
+        sn = tl.sum(q1.to(tl.float32) * k1v[None, :], axis=1) + tl.sum(q2.to(tl.float32) * k2v[None, :], axis=1)
+        if HAS_REST:
+            krv = tl.sum(krn.to(cdt).to(tl.float32), axis=0)
+            sn += tl.sum(qr.to(tl.float32) * krv[None, :], axis=1)
+        sn = sn * scale_log2
+        m_new = tl.maximum(m_i, sn)
+        alpha = tl.exp2(m_i - m_new)
+        pn = tl.exp2(sn - m_new)
+        l_i = l_i * alpha + pn
+        vv = tl.sum(vn.to(tl.float32), axis=0)
+        acc = acc * alpha[:, None] + pn.to(cdt).to(tl.float32)[:, None] * vv[None, :]
+        m_i = m_new
+
+    out_rows = out_ptr + t * stride_out + qh[:, None] * D + dd[None, :]
+    omask = gm[:, None] & (dd[None, :] < D)
+    if nsplit == 1:
+        tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        # partials: [tokens, HQ, nsplit] x (m, l) and x D
+        pidx = (t * HQ + qh) * nsplit + s
+        tl.store(part_ml_ptr + pidx * 2, m_i, mask=gm)
+        tl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=gm)
+        tl.store(part_o_ptr + pidx[:, None] * D + dd[None, :], acc, mask=omask)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        done = tl.atomic_add(counter_ptr + t * HKV + h, 1, sem="acq_rel")
+        if done == nsplit - 1:  # the last split of (t, h): merge
+            sp = tl.arange(0, SPLIT_PAD)
+            base = (t * HQ + qh)[:, None] * nsplit + sp[None, :]
+            mm = gm[:, None] & (sp[None, :] < nsplit)
+            ms = tl.load(part_ml_ptr + base * 2, mask=mm, other=float("-inf"), cache_modifier=".cg")
+            ls = tl.load(part_ml_ptr + base * 2 + 1, mask=mm, other=0.0, cache_modifier=".cg")
+            big = tl.max(ms, axis=1)
+            big = tl.where(gm, big, 0.0)  # padded rows: no split, no NaN
+            w = tl.exp2(ms - big[:, None])
+            total = tl.sum(w * ls, axis=1)
+            merged = tl.zeros([G_PAD, D_PAD], tl.float32)
+            for j in range(0, nsplit):
+                wj = tl.sum(tl.where(sp[None, :] == j, w, 0.0), axis=1)
+                oj = tl.load(part_o_ptr + ((t * HQ + qh) * nsplit + j)[:, None] * D + dd[None, :], mask=omask,
+                             other=0.0, cache_modifier=".cg")
+                merged += wj[:, None] * oj
+            total = tl.where(gm, total, 1.0)
+            tl.store(out_rows, (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(counter_ptr + t * HKV + h, 0)  # ready for the next launch
+
+
+class DecodeWorkspace:
+    """The partials and counters of :func:`qkv_decode_attention` for steps of up to ``max_tokens`` tokens (fixed
+    buffers: CUDA graphs replay against them)."""
+
+    def __init__(self, max_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+                 num_sms: int | None = None):
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+        self.max_tokens, self.num_sms = max_tokens, num_sms
+        slots = max(t * num_splits(t, num_kv_heads, num_sms) for t in range(1, max_tokens + 1))
+        self.part_o = torch.empty(slots * num_heads * head_dim, dtype=torch.float32, device=device)
+        self.part_ml = torch.empty(slots * num_heads * 2, dtype=torch.float32, device=device)
+        self.counter = torch.zeros(max_tokens * num_kv_heads, dtype=torch.int32, device=device)
+
+
+def _check(qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache, ws):
+    t, width = qkv.shape
+    if width != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
+        raise ValueError(f"qkv_decode_attention: qkv {tuple(qkv.shape)} is not [T, (Hq + 2 Hkv) * D] with "
+                         "contiguous rows")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"qkv_decode_attention: {num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    rot = cos_sin.shape[1]
+    if rot % 2 or rot > head_dim or (rot < head_dim and head_dim - rot < 16):
+        raise ValueError(f"qkv_decode_attention: rotary width {rot} must be even, at most head_dim {head_dim}, "
+                         "and all of it or at least 16 less")
+    if cache.dim() != 5 or cache.shape[1] != 2 or tuple(cache.shape[3:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"qkv_decode_attention: cache {tuple(cache.shape)} is not [pages, 2, page, Hkv, D]")
+    if cache.dtype != qkv.dtype or cache.stride(4) != 1:
+        raise ValueError(f"qkv_decode_attention: cache must be {qkv.dtype} with contiguous heads, got {cache.dtype}")
+    if t > ws.max_tokens:
+        raise ValueError(f"qkv_decode_attention: {t} tokens, the workspace holds {ws.max_tokens}")
+
+
+def qkv_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+                         num_kv_heads: int, head_dim: int, cache: torch.Tensor, batch_indices: torch.Tensor,
+                         kv_positions: torch.Tensor, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
+                         q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float, scale: float,
+                         workspace: DecodeWorkspace, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention output ``[T, Hq, D]`` of a decode step (each token its request's newest) from ``qkv``
+    ``[T, (Hq + 2 Hkv) * D]``: q and k normed (``q_norm``/``k_norm``, both or neither) and rotated as
+    :func:`moeserve.ops.attention.qkv_triton.qkv_rope_append` does, k and v written into ``cache``
+    ``[pages, 2, page_size, Hkv, D]`` at position ``kv_positions[t]`` of request ``batch_indices[t]`` (pages
+    ``kv_indices[kv_indptr[b]:]``), and each query attending over that request's ``kv_positions[t] + 1`` keys
+    with softmax scale ``scale``."""
+    _check(qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache, workspace)
+    t = qkv.shape[0]
+    if out is None:
+        out = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    elif out.shape != (t, num_heads, head_dim) or out.dtype != qkv.dtype or not out.is_contiguous():
+        raise ValueError(f"qkv_decode_attention: out {tuple(out.shape)} {out.dtype} is not a contiguous "
+                         f"[{t}, {num_heads}, {head_dim}] tensor of {qkv.dtype}")
+    if t == 0:
+        return out
+    norm = q_norm is not None
+    if norm != (k_norm is not None):
+        raise ValueError("qkv_decode_attention: q_norm and k_norm go together")
+    rot = cos_sin.shape[1]
+    group = num_heads // num_kv_heads
+    nsplit = num_splits(t, num_kv_heads, workspace.num_sms)
+    p2 = triton.next_power_of_2
+    ws = workspace
+    qkv_decode_attention_kernel[(t, num_kv_heads, nsplit)](
+        qkv, positions, cos_sin, out, cache, batch_indices, kv_positions, kv_indices, kv_indptr,
+        q_norm if norm else qkv, k_norm if norm else qkv, ws.part_o, ws.part_ml, ws.counter,
+        qkv.stride(0), cos_sin.stride(0), out.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
+        cache.stride(3), eps, scale * LOG2E, nsplit,
+        HQ=num_heads, HKV=num_kv_heads, D=head_dim, ROT=rot, PAGE=cache.shape[2], G=group,
+        G_PAD=max(16, p2(group)), D_PAD=p2(head_dim), HALF_PAD=max(16, p2(rot // 2)),
+        REST_PAD=max(16, p2(head_dim - rot)), QK_NORM=norm, BLOCK=BLOCK_N, SPLIT_PAD=MAX_SPLITS,
+        num_warps=4, **launch_kwargs(t))
+    return out
+
+
+def decode_attention_reference(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+                               num_kv_heads: int, head_dim: int, cache: torch.Tensor, batch_indices: torch.Tensor,
+                               kv_positions: torch.Tensor, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
+                               q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                               scale: float) -> torch.Tensor:
+    """:func:`qkv_decode_attention` in torch: the QKV reference (rotation, cache writes), then each token's
+    attention over its request's keys in float32."""
+    q = qkv_rope_append_reference(qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim, cache, batch_indices,
+                                  kv_positions, kv_indices, kv_indptr, q_norm, k_norm, eps)
+    page, group = cache.shape[2], num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    for i in range(q.shape[0]):
+        b, n = int(batch_indices[i]), int(kv_positions[i]) + 1
+        start = int(kv_indptr[b])
+        pages = kv_indices[start:start + math.ceil(n / page)].long()
+        k = cache[pages, 0].reshape(-1, num_kv_heads, head_dim)[:n].float()
+        v = cache[pages, 1].reshape(-1, num_kv_heads, head_dim)[:n].float()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
+        out[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
+    return out
