@@ -9,7 +9,8 @@ cache), ``fa3`` (the paged FA3 prefill wrapper with one query per request), ``xq
 kernel through ``flashinfer.decode.xqa_batch_decode_with_kv_cache``; JIT-compiled), each at every page size
 given. Two more run the whole attention of a decode layer from its QKV projection: ``qkv+decode`` (the
 engine's QKV kernel, then the CUDA-core decode: what a layer runs by default) and ``triton`` (the one-kernel
-decode of ``moeserve.ops.attention.decode_triton``; ``triton@N`` picks its split count as for a GPU of N SMs),
+decode of ``moeserve.ops.attention.decode_triton``; ``triton:B:W@N`` runs it with B keys per iteration, W warps,
+and the split count it picks for a GPU of N SMs),
 checked against ``qkv+decode``; both write the new token's key and value into the last slot of each request.
 
     python scripts/attention_variants.py --batch 1 8 32 64 --context 560 --page-size 16 64 --out attn.json
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
             outs = {}
             qkv = torch.randn(b, (hq + 2 * hkv) * d, dtype=dtype, device="cuda", generator=gen)
             pos = torch.full((b,), args.context - 1, dtype=torch.int32, device="cuda")
-            bidx = torch.arange(b, dtype=torch.int32, device="cuda")
+            bidx = torch.arange(b, dtype=torch.int32, device="cuda")  # (the QKV kernel's batch indices)
             cos_sin = torch.randn(args.context, d, dtype=torch.float32, device="cuda", generator=gen)
             qkv_args = (qkv, pos, cos_sin, hq, hkv, d)
 
@@ -157,10 +158,13 @@ def main(argv=None) -> int:
                             w.run(qbuf, data[i], out=out[i])
                     elif name.startswith("triton"):
                         from moeserve.ops.attention.decode_triton import DecodeWorkspace, qkv_decode_attention
-                        sms = int(name.split("@")[1]) if "@" in name else None
-                        tws = DecodeWorkspace(b, hq, hkv, d, torch.device("cuda"), num_sms=sms)
-                        step = lambda i, tws=tws: qkv_decode_attention(  # noqa: E731
-                            *qkv_args, data[i], bidx, pos, indices, indptr, None, None, 1e-6, scale, tws, out=out[i])
+                        # triton[:BLOCK[:WARPS]][@SMS]
+                        spec, _, sms = name.partition("@")
+                        block, warps = (list(map(int, spec.split(":")[1:])) + [64, 4][len(spec.split(":")) - 1:])[:2]
+                        tws = DecodeWorkspace(b, hq, hkv, d, torch.device("cuda"), num_sms=int(sms) if sms else None)
+                        step = lambda i, tws=tws, bl=block, nw=warps: qkv_decode_attention(  # noqa: E731
+                            *qkv_args, data[i], pos, indices, indptr, None, None, 1e-6, scale, tws, out=out[i],
+                            block=bl, num_warps=nw)
                     else:
                         raise ValueError(name)
                     step(0)
@@ -174,7 +178,9 @@ def main(argv=None) -> int:
                                  "error": f"{type(e).__name__}: {e}"[:2000]})
                     continue
                 outs[name] = out
-                ref = outs.get("qkv+decode" if name.startswith("triton") else "decode")
+                # the triton variants against the layer they replace; FlashInfer's others against its decode
+                ref = (outs.get("qkv+decode") if name.startswith("triton")
+                       else None if name == "qkv+decode" else outs.get("decode"))
                 err = (out.float() - ref.float()).abs().max().item() if ref is not None else 0.0
                 row = {"variant": name, "page_size": ps, "batch": b, "context": args.context, "us_per_layer": us,
                        "kv_tbps": kv_bytes / us / 1e6, "max_abs_err_vs_decode": err, "first_call_s": first,

@@ -273,8 +273,8 @@ def launch_decode_kernel(plan, tokens: int = 1) -> torch.Tensor:
         torch.zeros((tokens, (hq + 2 * hkv) * d), dtype=dt, device=dev), torch.zeros(tokens, **i32),
         torch.zeros((8, m.rotary_dim), dtype=torch.float32, device=dev), hq, hkv, d,
         torch.zeros((2, 2, plan.config.page_size, hkv, d), dtype=plan.kv_dtype, device=dev),
-        torch.zeros(tokens, **i32), torch.zeros(tokens, **i32), torch.ones(1, **i32), torch.zeros(tokens + 1, **i32),
-        *norm, eps=m.rms_norm_eps, scale=d ** -0.5, workspace=ws)
+        torch.zeros(tokens, **i32), torch.ones(1, **i32), torch.zeros(tokens + 1, **i32), *norm, eps=m.rms_norm_eps,
+        scale=d ** -0.5, workspace=ws)
 
 
 def launch_every_kernel(plan, on_step=None) -> None:

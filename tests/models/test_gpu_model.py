@@ -171,6 +171,7 @@ def test_triton_decode_attention_matches_torch_path(tmp_path, kind, shape, eager
         assert calls and max(calls) <= 8, "eager decode steps should have run the Triton decode"
     else:
         assert r.graph_steps > 0
+    tri = engine(tmp_path, {**fast, "moe": "triton"}, eager=eager, attention_decode_triton_max_tokens=8)  # fresh
     fi = engine(tmp_path, {**fast, "moe": "triton"}, eager=eager)
     assert fi.runner.ops.attention.decode_ws is None
     r = lockstep(tri, fi, prompts, MAX_TOKENS, follow="fast")

@@ -27,12 +27,17 @@ BF16_REL = 1e-2  # relative Frobenius error of bf16 results
 
 # name: (Hq, Hkv, D, rotary dim, q/k norm, page size, [(cached, 1) per request])
 CASES = {
-    "mha": (4, 4, 32, 32, False, 4, [(37, 1), (0, 1), (11, 1)]),
+    "mha": (4, 4, 32, 32, False, 4, [(137, 1), (0, 1), (11, 1)]),
     "gqa-norm": (8, 2, 32, 32, True, 4, [(3, 1), (45, 1), (16, 1)]),
     "partial-rotary": (4, 2, 32, 16, True, 8, [(23, 1), (1, 1)]),
     "odd-heads": (6, 3, 32, 32, False, 4, [(2, 1), (30, 1)]),
 }
 SMS = [1, 4, 64]  # the workspace's SM count: 1 split, a few, 16 (most of them empty)
+
+
+def decode_args(args):
+    """``make_case``'s arguments without the batch indices (a decode step's token t is request t)."""
+    return args[:7] + args[8:]
 
 
 def _num_splits(spec, sms):
@@ -50,12 +55,14 @@ def _interpreter_worker(in_path: str, out_path: str) -> None:
         hq, hkv, d = args[3], args[4], args[5]
         ws = DecodeWorkspace(8, hq, hkv, d, torch.device("cpu"), num_sms=sms)
         cache = args[6].clone()
-        o = qkv_decode_attention(*args[:6], cache, *args[7:], eps=1e-6, scale=scale, workspace=ws)
+        # 16 keys per iteration: several splits hold keys; then the default tile on a fresh copy of the cache
+        o = qkv_decode_attention(*args[:6], cache, *args[8:], eps=1e-6, scale=scale, workspace=ws, block=16)
+        o64 = qkv_decode_attention(*args[:6], args[6].clone(), *args[8:], eps=1e-6, scale=scale, workspace=ws)
         # again on the same workspace (the counters must be back at zero), into a given buffer
         buf = torch.full((o.shape[0] + 2, hq, d), float("nan"))
-        again = qkv_decode_attention(*args[:6], args[6].clone(), *args[7:], eps=1e-6, scale=scale, workspace=ws,
-                                     out=buf[:o.shape[0]])
-        out[(name, sms)] = (o, cache, buf, again.data_ptr() == buf.data_ptr(), ws.counter.clone())
+        again = qkv_decode_attention(*args[:6], args[6].clone(), *args[8:], eps=1e-6, scale=scale, workspace=ws,
+                                     out=buf[:o.shape[0]], block=16)
+        out[(name, sms)] = (o, o64, cache, buf, again.data_ptr() == buf.data_ptr(), ws.counter.clone())
     torch.save(out, out_path)
 
 
@@ -64,7 +71,7 @@ def interpreted(tmp_path_factory):
     gen = torch.Generator().manual_seed(SEED)
     inputs = {}
     for name, spec in CASES.items():
-        args = make_case(spec, torch.float32, gen, num_pages=48)
+        args = make_case(spec, torch.float32, gen, num_pages=48, max_pos=256)
         for sms in SMS:
             inputs[(name, sms)] = (args, spec[2] ** -0.5)
     return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("decode"), SEED)
@@ -76,12 +83,13 @@ def test_decode_kernel_matches_the_reference_under_the_interpreter(interpreted, 
     from moeserve.ops.attention.decode_triton import decode_attention_reference
     inputs, outputs = interpreted
     args, scale = inputs[(name, sms)]
-    o, cache, buf, in_place, counter = outputs[(name, sms)]
+    o, o64, cache, buf, in_place, counter = outputs[(name, sms)]
     t = args[0].shape[0]
     ref_cache = args[6].clone()
-    ref = decode_attention_reference(*args[:6], ref_cache, *args[7:], eps=1e-6, scale=scale)
+    ref = decode_attention_reference(*args[:6], ref_cache, *args[8:], eps=1e-6, scale=scale)
     assert o.shape == ref.shape == (t, args[3], args[5])
     torch.testing.assert_close(o, ref, **FP32_TOL, msg=lambda m: f"seed {SEED}, {name}, sms {sms}: out: {m}")
+    torch.testing.assert_close(o64, ref, **FP32_TOL, msg=lambda m: f"seed {SEED}, {name}, sms {sms}: 64 keys: {m}")
     torch.testing.assert_close(cache, ref_cache, **FP32_TOL, msg=lambda m: f"seed {SEED}: cache: {m}")
     assert not torch.equal(cache, args[6]), "no key was written"
     assert in_place and torch.equal(buf[:t], o) and buf[t:].isnan().all(), "out= must get the output, nothing past it"
@@ -89,25 +97,28 @@ def test_decode_kernel_matches_the_reference_under_the_interpreter(interpreted, 
 
 
 def test_the_cases_cover_one_split_several_and_empty_ones():
+    from moeserve.ops.attention.decode_triton import BLOCK_N
     splits = {_num_splits(spec, sms) for spec in CASES.values() for sms in SMS}
     assert 1 in splits and max(splits) == 16 and len(splits) >= 3
-    # with 16 splits of at least 16 keys, a request of 48 keys or fewer leaves some splits without keys
-    assert max(c + 1 for spec in CASES.values() for c, _ in spec[6]) <= 48
+    # splits are whole tiles: with 16 splits a request of at most 16 * 16 keys leaves some without keys, and with
+    # the default tile a request longer than one tile fills two splits or more when there are several
+    lens = [c + 1 for spec in CASES.values() for c, _ in spec[6]]
+    assert max(lens) < 16 * 16 and max(lens) > BLOCK_N
 
 
 def test_bad_inputs_are_refused_by_name():
     from moeserve.ops.attention.decode_triton import DecodeWorkspace, qkv_decode_attention
-    args = make_case(CASES["mha"], torch.float32, torch.Generator().manual_seed(0), num_pages=48)
+    args = make_case(CASES["mha"], torch.float32, torch.Generator().manual_seed(0), num_pages=48, max_pos=256)
     small = DecodeWorkspace(2, 4, 4, 32, torch.device("cpu"), num_sms=4)
     with pytest.raises(ValueError, match="workspace holds 2"):
-        qkv_decode_attention(*args, eps=1e-6, scale=1.0, workspace=small)
+        qkv_decode_attention(*decode_args(args), eps=1e-6, scale=1.0, workspace=small)
     ws = DecodeWorkspace(8, 4, 4, 32, torch.device("cpu"), num_sms=4)
     with pytest.raises(ValueError, match="qkv_decode_attention: out"):
-        qkv_decode_attention(*args, eps=1e-6, scale=1.0, workspace=ws, out=torch.empty(3, 4, 31))
+        qkv_decode_attention(*decode_args(args), eps=1e-6, scale=1.0, workspace=ws, out=torch.empty(3, 4, 31))
     bad_rot = list(args)
     bad_rot[2] = torch.zeros(64, 24)  # 8 dims unrotated: too few for the kernel's tiles
     with pytest.raises(ValueError, match="rotary width 24"):
-        qkv_decode_attention(*bad_rot, eps=1e-6, scale=1.0, workspace=ws)
+        qkv_decode_attention(*decode_args(bad_rot), eps=1e-6, scale=1.0, workspace=ws)
 
 
 def test_reference_is_plain_softmax_attention_over_the_written_cache():
@@ -116,8 +127,8 @@ def test_reference_is_plain_softmax_attention_over_the_written_cache():
     from moeserve.ops.attention.qkv_triton import qkv_rope_append_reference
     gen = torch.Generator().manual_seed(SEED)
     spec = CASES["gqa-norm"]
-    args = make_case(spec, torch.float32, gen, num_pages=48)
-    out = decode_attention_reference(*args[:6], args[6].clone(), *args[7:], eps=1e-6, scale=0.3)
+    args = make_case(spec, torch.float32, gen, num_pages=48, max_pos=256)
+    out = decode_attention_reference(*args[:6], args[6].clone(), *args[8:], eps=1e-6, scale=0.3)
     cache = args[6].clone()
     q = qkv_rope_append_reference(*args[:6], cache, *args[7:], eps=1e-6)
     hq, hkv, page = spec[0], spec[1], spec[5]
@@ -173,14 +184,14 @@ def test_decode_kernel_matches_the_reference_and_flashinfer_gpu(name):
     from moeserve.ops.attention.qkv_triton import qkv_rope_append
     gen = torch.Generator().manual_seed(SEED)
     spec = GPU_CASES[name]
-    hq, hkv, page = spec[0], spec[1], spec[5]
+    hq, hkv, d, page = spec[0], spec[1], spec[2], spec[5]
     args = _gpu_args(spec, gen)
     scale = d ** -0.5
     ws = DecodeWorkspace(64, hq, hkv, d, torch.device("cuda"))
     cache = args[6].clone()
-    out = qkv_decode_attention(*args[:6], cache, *args[7:], eps=1e-6, scale=scale, workspace=ws)
+    out = qkv_decode_attention(*args[:6], cache, *args[8:], eps=1e-6, scale=scale, workspace=ws)
     ref_cache = args[6].clone()
-    ref = decode_attention_reference(*args[:6], ref_cache, *args[7:], eps=1e-6, scale=scale)
+    ref = decode_attention_reference(*args[:6], ref_cache, *args[8:], eps=1e-6, scale=scale)
     torch.cuda.synchronize()
     err = (out.float() - ref.float()).norm() / ref.float().norm()
     assert err < BF16_REL, f"seed {SEED}: relative error {err:.2e}"
@@ -211,23 +222,28 @@ def test_decode_kernel_replays_in_a_cuda_graph_with_new_positions():
     gen = torch.Generator().manual_seed(SEED)
     spec = (16, 16, 128, 128, False, 16, [(40, 1), (7, 1), (300, 1)])
     args = _gpu_args(spec, gen)
+    pages = torch.zeros(64, dtype=torch.int32, device="cuda")  # the page list's fixed buffer, refilled per replay
+    pages[:len(args[9])] = args[9]
+    args[9] = pages
     ws = DecodeWorkspace(8, 16, 16, 128, torch.device("cuda"))
     assert _num_splits(spec, ws.num_sms) > 1
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        qkv_decode_attention(*args, eps=1e-6, scale=0.1, workspace=ws)  # load the kernel outside the capture
+        qkv_decode_attention(*decode_args(args), eps=1e-6, scale=0.1, workspace=ws)  # load the kernel first
     stream.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = qkv_decode_attention(*args, eps=1e-6, scale=0.1, workspace=ws)
+        out = qkv_decode_attention(*decode_args(args), eps=1e-6, scale=0.1, workspace=ws)
     for step in range(3):
-        new = make_case(spec[:6] + ([(41 + step * 50, 1), (8 + step, 1), (301 + step * 7, 1)],), torch.bfloat16, gen,
-                        "cuda", num_pages=256)
-        for i in (0, 1, 7, 8, 9, 10):  # qkv, positions, batch, kv positions, pages, indptr: same buffers, new values
+        lens = [(41 + step * 50, 1), (8 + step, 1), (301 + step * 7, 1)]
+        new = make_case(spec[:6] + (lens,), torch.bfloat16, gen, "cuda", num_pages=64)
+        for i in (0, 1, 8, 10):  # qkv, positions, kv positions, indptr: same buffers, new values
             args[i].copy_(new[i])
+        pages.zero_()
+        pages[:len(new[9])] = new[9]
         expect_cache = args[6].clone()
-        expect = decode_attention_reference(*args[:6], expect_cache, *args[7:], eps=1e-6, scale=0.1)
+        expect = decode_attention_reference(*args[:6], expect_cache, *args[8:], eps=1e-6, scale=0.1)
         graph.replay()
         torch.cuda.synchronize()
         err = (out.float() - expect.float()).norm() / expect.float().norm()

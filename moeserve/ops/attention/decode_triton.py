@@ -32,7 +32,7 @@ from moeserve.ops.pdl import launch_kwargs
 from moeserve.ops.pdl_triton import wait_prior
 
 MAX_SPLITS = 16
-BLOCK_N = 16  # keys per iteration
+BLOCK_N = 64  # keys per iteration (four pages of 16)
 LOG2E = 1.4426950408889634
 
 
@@ -54,15 +54,16 @@ def _dot_halves(q1, q2, qr, k1, k2, kr, HAS_REST: tl.constexpr):
 # (index tensors are slices of one packed buffer, as for the QKV kernel; ``nsplit`` is not specialised on, so one
 # compile serves every step size)
 @triton.jit(do_not_specialize=["nsplit"],
-            do_not_specialize_on_alignment=["pos_ptr", "batch_ptr", "kv_pos_ptr", "kv_indices_ptr", "kv_indptr_ptr"])
+            do_not_specialize_on_alignment=["pos_ptr", "kv_pos_ptr", "kv_indices_ptr", "kv_indptr_ptr"])
 def qkv_decode_attention_kernel(
-        qkv_ptr, pos_ptr, cos_sin_ptr, out_ptr, cache_ptr, batch_ptr, kv_pos_ptr, kv_indices_ptr, kv_indptr_ptr,
+        qkv_ptr, pos_ptr, cos_sin_ptr, out_ptr, cache_ptr, kv_pos_ptr, kv_indices_ptr, kv_indptr_ptr,
         q_norm_ptr, k_norm_ptr, part_o_ptr, part_ml_ptr, counter_ptr,
         stride_qkv, stride_cs, stride_out, stride_page, stride_kv, stride_slot, stride_head, eps, scale_log2,
         nsplit,
         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, PAGE: tl.constexpr,
         G: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
-        QK_NORM: tl.constexpr, BLOCK: tl.constexpr, SPLIT_PAD: tl.constexpr, PDL: tl.constexpr = False):
+        QK_NORM: tl.constexpr, BLOCK: tl.constexpr, SPLIT_PAD: tl.constexpr, G_MERGE: tl.constexpr,
+        PDL: tl.constexpr = False):
     wait_prior(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -83,9 +84,9 @@ def qkv_decode_attention_kernel(
     q1, q2, qr = _norm_rope_heads(src, qh, gm, q_norm_ptr, cos, sin, eps, cdt, D, ROT, HALF_PAD, REST_PAD, QK_NORM)
     q1, q2, qr = q1.to(cdt), q2.to(cdt), qr.to(cdt)  # as the QKV kernel writes q
 
-    b = tl.load(batch_ptr + t)
+    # a decode step's token t is its request t (one load less in the chain before the first key)
     kv_pos = tl.load(kv_pos_ptr + t)  # the new token's position: the request holds kv_pos + 1 keys
-    first_page = tl.load(kv_indptr_ptr + b)
+    first_page = tl.load(kv_indptr_ptr + t)
     per_split = tl.cdiv(tl.cdiv(kv_pos + 1, nsplit), BLOCK) * BLOCK
     start = s * per_split
     end = tl.minimum(start + per_split, kv_pos + 1)
@@ -156,24 +157,23 @@ def qkv_decode_attention_kernel(
         tl.store(part_o_ptr + pidx[:, None] * D + dd[None, :], acc, mask=omask)
         tl.debug_barrier()  # every thread's partial is written before the counter moves
         done = tl.atomic_add(counter_ptr + t * HKV + h, 1, sem="acq_rel")
-        if done == nsplit - 1:  # the last split of (t, h): merge
+        if done == nsplit - 1:  # the last split of (t, h): merge, every split's partial read in one go
+            mg = tl.arange(0, G_MERGE)
             sp = tl.arange(0, SPLIT_PAD)
-            base = (t * HQ + qh)[:, None] * nsplit + sp[None, :]
-            mm = gm[:, None] & (sp[None, :] < nsplit)
-            ms = tl.load(part_ml_ptr + base * 2, mask=mm, other=float("-inf"), cache_modifier=".cg")
-            ls = tl.load(part_ml_ptr + base * 2 + 1, mask=mm, other=0.0, cache_modifier=".cg")
+            mgm = mg < G
+            rows = (t * HQ + h * G + mg)[:, None] * nsplit + sp[None, :]  # [G_MERGE, SPLIT_PAD]
+            mm = mgm[:, None] & (sp[None, :] < nsplit)
+            ms = tl.load(part_ml_ptr + rows * 2, mask=mm, other=float("-inf"), cache_modifier=".cg")
+            ls = tl.load(part_ml_ptr + rows * 2 + 1, mask=mm, other=0.0, cache_modifier=".cg")
+            os_ = tl.load(part_o_ptr + rows[:, :, None] * D + dd[None, None, :],
+                          mask=mm[:, :, None] & (dd[None, None, :] < D), other=0.0, cache_modifier=".cg")
             big = tl.max(ms, axis=1)
-            big = tl.where(gm, big, 0.0)  # padded rows: no split, no NaN
+            big = tl.where(mgm, big, 0.0)  # padded rows: no split, no NaN
             w = tl.exp2(ms - big[:, None])
-            total = tl.sum(w * ls, axis=1)
-            merged = tl.zeros([G_PAD, D_PAD], tl.float32)
-            for j in range(0, nsplit):
-                wj = tl.sum(tl.where(sp[None, :] == j, w, 0.0), axis=1)
-                oj = tl.load(part_o_ptr + ((t * HQ + qh) * nsplit + j)[:, None] * D + dd[None, :], mask=omask,
-                             other=0.0, cache_modifier=".cg")
-                merged += wj[:, None] * oj
-            total = tl.where(gm, total, 1.0)
-            tl.store(out_rows, (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
+            total = tl.where(mgm, tl.sum(w * ls, axis=1), 1.0)
+            merged = tl.sum(w[:, :, None] * os_, axis=1) / total[:, None]
+            mrows = out_ptr + t * stride_out + (h * G + mg)[:, None] * D + dd[None, :]
+            tl.store(mrows, merged.to(out_ptr.dtype.element_ty), mask=mgm[:, None] & (dd[None, :] < D))
             tl.atomic_xchg(counter_ptr + t * HKV + h, 0)  # ready for the next launch
 
 
@@ -212,16 +212,16 @@ def _check(qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache, ws):
 
 
 def qkv_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
-                         num_kv_heads: int, head_dim: int, cache: torch.Tensor, batch_indices: torch.Tensor,
-                         kv_positions: torch.Tensor, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
-                         q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float, scale: float,
-                         workspace: DecodeWorkspace, out: torch.Tensor | None = None) -> torch.Tensor:
+                         num_kv_heads: int, head_dim: int, cache: torch.Tensor, kv_positions: torch.Tensor,
+                         kv_indices: torch.Tensor, kv_indptr: torch.Tensor, q_norm: torch.Tensor | None,
+                         k_norm: torch.Tensor | None, eps: float, scale: float, workspace: DecodeWorkspace,
+                         out: torch.Tensor | None = None, block: int = BLOCK_N, num_warps: int = 4) -> torch.Tensor:
     """Attention output ``[T, Hq, D]`` of a decode step (each token its request's newest) from ``qkv``
     ``[T, (Hq + 2 Hkv) * D]``: q and k normed (``q_norm``/``k_norm``, both or neither) and rotated as
     :func:`moeserve.ops.attention.qkv_triton.qkv_rope_append` does, k and v written into ``cache``
-    ``[pages, 2, page_size, Hkv, D]`` at position ``kv_positions[t]`` of request ``batch_indices[t]`` (pages
-    ``kv_indices[kv_indptr[b]:]``), and each query attending over that request's ``kv_positions[t] + 1`` keys
-    with softmax scale ``scale``."""
+    ``[pages, 2, page_size, Hkv, D]`` at position ``kv_positions[t]`` of request ``t`` (a decode step's token
+    ``t`` is its request ``t``; pages ``kv_indices[kv_indptr[t]:]``), and each query attending over that
+    request's ``kv_positions[t] + 1`` keys with softmax scale ``scale``. ``block``: keys per iteration."""
     _check(qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache, workspace)
     t = qkv.shape[0]
     if out is None:
@@ -240,31 +240,31 @@ def qkv_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: to
     p2 = triton.next_power_of_2
     ws = workspace
     qkv_decode_attention_kernel[(t, num_kv_heads, nsplit)](
-        qkv, positions, cos_sin, out, cache, batch_indices, kv_positions, kv_indices, kv_indptr,
+        qkv, positions, cos_sin, out, cache, kv_positions, kv_indices, kv_indptr,
         q_norm if norm else qkv, k_norm if norm else qkv, ws.part_o, ws.part_ml, ws.counter,
         qkv.stride(0), cos_sin.stride(0), out.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
         cache.stride(3), eps, scale * LOG2E, nsplit,
         HQ=num_heads, HKV=num_kv_heads, D=head_dim, ROT=rot, PAGE=cache.shape[2], G=group,
         G_PAD=max(16, p2(group)), D_PAD=p2(head_dim), HALF_PAD=max(16, p2(rot // 2)),
-        REST_PAD=max(16, p2(head_dim - rot)), QK_NORM=norm, BLOCK=BLOCK_N, SPLIT_PAD=MAX_SPLITS,
-        num_warps=4, **launch_kwargs(t))
+        REST_PAD=max(16, p2(head_dim - rot)), QK_NORM=norm, BLOCK=block, SPLIT_PAD=MAX_SPLITS,
+        G_MERGE=p2(group), num_warps=num_warps, **launch_kwargs(t))
     return out
 
 
 def decode_attention_reference(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
-                               num_kv_heads: int, head_dim: int, cache: torch.Tensor, batch_indices: torch.Tensor,
-                               kv_positions: torch.Tensor, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
-                               q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                               scale: float) -> torch.Tensor:
+                               num_kv_heads: int, head_dim: int, cache: torch.Tensor, kv_positions: torch.Tensor,
+                               kv_indices: torch.Tensor, kv_indptr: torch.Tensor, q_norm: torch.Tensor | None,
+                               k_norm: torch.Tensor | None, eps: float, scale: float) -> torch.Tensor:
     """:func:`qkv_decode_attention` in torch: the QKV reference (rotation, cache writes), then each token's
     attention over its request's keys in float32."""
-    q = qkv_rope_append_reference(qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim, cache, batch_indices,
+    batch = torch.arange(qkv.shape[0], dtype=torch.int32, device=qkv.device)
+    q = qkv_rope_append_reference(qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim, cache, batch,
                                   kv_positions, kv_indices, kv_indptr, q_norm, k_norm, eps)
     page, group = cache.shape[2], num_heads // num_kv_heads
     out = torch.empty_like(q)
     for i in range(q.shape[0]):
-        b, n = int(batch_indices[i]), int(kv_positions[i]) + 1
-        start = int(kv_indptr[b])
+        n = int(kv_positions[i]) + 1
+        start = int(kv_indptr[i])
         pages = kv_indices[start:start + math.ceil(n / page)].long()
         k = cache[pages, 0].reshape(-1, num_kv_heads, head_dim)[:n].float()
         v = cache[pages, 1].reshape(-1, num_kv_heads, head_dim)[:n].float()

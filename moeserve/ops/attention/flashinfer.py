@@ -126,8 +126,8 @@ class FlashInferAttention(AttentionBackend):
         ws = self.decode_ws
         if ws is not None and split is None and inp.is_decode and qkv.shape[0] <= ws.max_tokens:
             return self._qkv_decode(qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim, cache,
-                                    inp.batch_indices, inp.token_positions, inp.kv_indices, inp.kv_indptr, q_norm,
-                                    k_norm, eps, self.scale, ws)
+                                    inp.token_positions, inp.kv_indices, inp.kv_indptr, q_norm, k_norm, eps,
+                                    self.scale, ws)
         q = self._qkv_rope_append(qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim, cache,
                                   inp.batch_indices, inp.token_positions, inp.kv_indices, inp.kv_indptr,
                                   q_norm, k_norm, eps, out=None if split is None else split.q[:qkv.shape[0]])
