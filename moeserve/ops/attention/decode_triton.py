@@ -63,7 +63,7 @@ def qkv_decode_attention_kernel(
         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, PAGE: tl.constexpr,
         G: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
         QK_NORM: tl.constexpr, BLOCK: tl.constexpr, SPLIT_PAD: tl.constexpr, G_MERGE: tl.constexpr,
-        PDL: tl.constexpr = False):
+        PDL: tl.constexpr = False, MERGE: tl.constexpr = True):
     wait_prior(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -155,8 +155,11 @@ def qkv_decode_attention_kernel(
         tl.store(part_ml_ptr + pidx * 2, m_i, mask=gm)
         tl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=gm)
         tl.store(part_o_ptr + pidx[:, None] * D + dd[None, :], acc, mask=omask)
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        done = tl.atomic_add(counter_ptr + t * HKV + h, 1, sem="acq_rel")
+        if MERGE:  # (false: an experiment's knob, timing the kernel without its merge; the output is not written)
+            tl.debug_barrier()  # every thread's partial is written before the counter moves
+            done = tl.atomic_add(counter_ptr + t * HKV + h, 1, sem="acq_rel")
+        else:
+            done = -1
         if done == nsplit - 1:  # the last split of (t, h): merge, every split's partial read in one go
             mg = tl.arange(0, G_MERGE)
             sp = tl.arange(0, SPLIT_PAD)
@@ -215,7 +218,8 @@ def qkv_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: to
                          num_kv_heads: int, head_dim: int, cache: torch.Tensor, kv_positions: torch.Tensor,
                          kv_indices: torch.Tensor, kv_indptr: torch.Tensor, q_norm: torch.Tensor | None,
                          k_norm: torch.Tensor | None, eps: float, scale: float, workspace: DecodeWorkspace,
-                         out: torch.Tensor | None = None, block: int = BLOCK_N, num_warps: int = 4) -> torch.Tensor:
+                         out: torch.Tensor | None = None, block: int = BLOCK_N, num_warps: int = 4,
+                         num_stages: int = 3, merge: bool = True) -> torch.Tensor:
     """Attention output ``[T, Hq, D]`` of a decode step (each token its request's newest) from ``qkv``
     ``[T, (Hq + 2 Hkv) * D]``: q and k normed (``q_norm``/``k_norm``, both or neither) and rotated as
     :func:`moeserve.ops.attention.qkv_triton.qkv_rope_append` does, k and v written into ``cache``
@@ -247,7 +251,7 @@ def qkv_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: to
         HQ=num_heads, HKV=num_kv_heads, D=head_dim, ROT=rot, PAGE=cache.shape[2], G=group,
         G_PAD=max(16, p2(group)), D_PAD=p2(head_dim), HALF_PAD=max(16, p2(rot // 2)),
         REST_PAD=max(16, p2(head_dim - rot)), QK_NORM=norm, BLOCK=block, SPLIT_PAD=MAX_SPLITS,
-        G_MERGE=p2(group), num_warps=num_warps, **launch_kwargs(t))
+        G_MERGE=p2(group), MERGE=merge, num_warps=num_warps, num_stages=num_stages, **launch_kwargs(t))
     return out
 
 
