@@ -162,7 +162,7 @@ def main(argv=None) -> int:
                         merge = not name.endswith("-nomerge")
                         spec, _, sms = name.removesuffix("-nomerge").partition("@")
                         knobs = list(map(int, spec.split(":")[1:]))
-                        block, warps, stages = knobs + [64, 4, 3][len(knobs):]
+                        block, warps, stages = knobs + [64, 2, 2][len(knobs):]
                         tws = DecodeWorkspace(b, hq, hkv, d, torch.device("cuda"), num_sms=int(sms) if sms else None)
                         step = lambda i, tws=tws, bl=block, nw=warps, ns=stages, mg=merge: qkv_decode_attention(  # noqa
                             *qkv_args, data[i], pos, indices, indptr, None, None, 1e-6, scale, tws, out=out[i],

@@ -32,7 +32,7 @@ CASES = {
     "partial-rotary": (4, 2, 32, 16, True, 8, [(23, 1), (1, 1)]),
     "odd-heads": (6, 3, 32, 32, False, 4, [(2, 1), (30, 1)]),
 }
-SMS = [1, 4, 64]  # the workspace's SM count: 1 split, a few, 16 (most of them empty)
+SMS = [1, 8, 128]  # the workspace's SM count: 1 split, a few, 16 (most of them empty)
 
 
 def decode_args(args):

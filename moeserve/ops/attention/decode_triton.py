@@ -37,9 +37,9 @@ LOG2E = 1.4426950408889634
 
 
 def num_splits(tokens: int, num_kv_heads: int, num_sms: int) -> int:
-    """Splits per (token, kv head) for a step of ``tokens`` tokens: enough programs for about four per SM, at
+    """Splits per (token, kv head) for a step of ``tokens`` tokens: enough programs for about two per SM, at
     most ``MAX_SPLITS``."""
-    return max(1, min(MAX_SPLITS, -(-4 * num_sms // max(1, tokens * num_kv_heads))))
+    return max(1, min(MAX_SPLITS, -(-2 * num_sms // max(1, tokens * num_kv_heads))))
 
 
 @triton.jit
@@ -218,8 +218,8 @@ def qkv_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: to
                          num_kv_heads: int, head_dim: int, cache: torch.Tensor, kv_positions: torch.Tensor,
                          kv_indices: torch.Tensor, kv_indptr: torch.Tensor, q_norm: torch.Tensor | None,
                          k_norm: torch.Tensor | None, eps: float, scale: float, workspace: DecodeWorkspace,
-                         out: torch.Tensor | None = None, block: int = BLOCK_N, num_warps: int = 4,
-                         num_stages: int = 3, merge: bool = True) -> torch.Tensor:
+                         out: torch.Tensor | None = None, block: int = BLOCK_N, num_warps: int = 2,
+                         num_stages: int = 2, merge: bool = True) -> torch.Tensor:
     """Attention output ``[T, Hq, D]`` of a decode step (each token its request's newest) from ``qkv``
     ``[T, (Hq + 2 Hkv) * D]``: q and k normed (``q_norm``/``k_norm``, both or neither) and rotated as
     :func:`moeserve.ops.attention.qkv_triton.qkv_rope_append` does, k and v written into ``cache``
