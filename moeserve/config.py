@@ -211,7 +211,8 @@ class EngineConfig(_Strict):
     attention_decode_triton_max_tokens: int = Field(
         0, ge=0, le=256, description="with the fused QKV path (attention_fused_qkv): decode steps of at most this "
         "many tokens run the q/k norms, rotary embedding, KV append and split-KV attention (its splits merged "
-        "in the kernel) as one Triton kernel instead of the QKV kernel and FlashInfer's decode; 0 never")
+        "in the kernel) as one Triton kernel instead of the QKV kernel and FlashInfer's decode (Qwen1.5-MoE on an "
+        "H200, 32: 0.6 to 1.8 percent faster at c = 1, 4 and 32, 0.4 slower at c=16); 0 never")
     # vLLM's VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD
     shared_expert_stream_max_tokens: int = Field(
         256, ge=0, description="steps of at most this many tokens run the shared expert on a second CUDA stream, "

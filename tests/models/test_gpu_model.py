@@ -158,7 +158,7 @@ def test_triton_decode_attention_matches_torch_path(tmp_path, kind, shape, eager
     fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
     tri = engine(tmp_path, {**fast, "moe": "triton"}, eager=eager, attention_decode_triton_max_tokens=8)
     att = tri.runner.ops.attention
-    assert att.decode_ws is not None and att.decode_ws.max_tokens == 8
+    assert att.decode_ws is not None and att.decode_ws.max_tokens == 8 and att.decode_ws.serves(8)
     calls = []
     launch = att._qkv_decode
     att._qkv_decode = lambda *a, **k: calls.append(a[0].shape[0]) or launch(*a, **k)
@@ -173,7 +173,7 @@ def test_triton_decode_attention_matches_torch_path(tmp_path, kind, shape, eager
     else:
         assert r.graph_steps > 0
     tri = engine(tmp_path, {**fast, "moe": "triton"}, eager=eager, attention_decode_triton_max_tokens=8)  # fresh
-    fi = engine(tmp_path, {**fast, "moe": "triton"}, eager=eager)
+    fi = engine(tmp_path, {**fast, "moe": "triton"}, eager=eager, attention_decode_triton_max_tokens=0)
     assert fi.runner.ops.attention.decode_ws is None
     r = lockstep(tri, fi, prompts, MAX_TOKENS, follow="fast")
     assert r.worst > 0.995 and r.agreement >= 0.95

@@ -106,6 +106,14 @@ def test_the_cases_cover_one_split_several_and_empty_ones():
     assert max(lens) < 16 * 16 and max(lens) > BLOCK_N
 
 
+def test_steps_with_too_few_programs_for_the_sms_are_left_to_flashinfer():
+    from moeserve.ops.attention.decode_triton import DecodeWorkspace
+    mha = DecodeWorkspace(32, 16, 16, 128, torch.device("cpu"), num_sms=132)  # Qwen1.5-MoE: 256 programs at 1
+    assert [mha.serves(t) for t in (1, 2, 32, 33)] == [True, True, True, False]
+    gqa = DecodeWorkspace(32, 32, 4, 128, torch.device("cpu"), num_sms=132)  # Qwen3-MoE: 64 programs per token
+    assert [gqa.serves(t) for t in (1, 2, 3, 32)] == [False, False, True, True]
+
+
 def test_bad_inputs_are_refused_by_name():
     from moeserve.ops.attention.decode_triton import DecodeWorkspace, qkv_decode_attention
     args = make_case(CASES["mha"], torch.float32, torch.Generator().manual_seed(0), num_pages=48, max_pos=256)

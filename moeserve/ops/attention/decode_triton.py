@@ -193,6 +193,13 @@ class DecodeWorkspace:
         self.part_o = torch.empty(slots * num_heads * head_dim, dtype=torch.float32, device=device)
         self.part_ml = torch.empty(slots * num_heads * 2, dtype=torch.float32, device=device)
         self.counter = torch.zeros(max_tokens * num_kv_heads, dtype=torch.int32, device=device)
+        self.num_kv_heads = num_kv_heads
+
+    def serves(self, tokens: int) -> bool:
+        """Whether a decode step of ``tokens`` tokens runs here: at most ``max_tokens``, and enough (token, head,
+        split) programs for one per SM at the most splits (with fewer, as for a model of few kv heads at one or
+        two tokens, each program streams a long request's keys alone and FlashInfer's decode is left the step)."""
+        return tokens <= self.max_tokens and tokens * self.num_kv_heads * MAX_SPLITS >= self.num_sms
 
 
 def _check(qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache, ws):

@@ -7,8 +7,9 @@
   chunked prefill over earlier pages.
 - Decode steps of at most ``attention_decode_triton_max_tokens`` tokens (off by default) can instead run the
   QKV kernel's work, the attention and the merge of its splits in one Triton kernel
-  (``moeserve.ops.attention.decode_triton``); FlashInfer still plans them (its fixed index buffers are what
-  the kernel reads in CUDA graphs).
+  (``moeserve.ops.attention.decode_triton``) where it has programs enough for the GPU's SMs
+  (``DecodeWorkspace.serves``); FlashInfer still plans them (its fixed index buffers are what the kernel reads
+  in CUDA graphs).
 - New keys and values go in through ``flashinfer.page.append_paged_kv_cache``, or, from the QKV projection
   whole (``forward_qkv``), through one Triton kernel that also applies the q/k norms and the rotary embedding
   (``moeserve.ops.attention.qkv_triton``).
@@ -124,7 +125,7 @@ class FlashInferAttention(AttentionBackend):
         inp = self.inp
         split = self.split
         ws = self.decode_ws
-        if ws is not None and split is None and inp.is_decode and qkv.shape[0] <= ws.max_tokens:
+        if ws is not None and split is None and inp.is_decode and ws.serves(qkv.shape[0]):
             return self._qkv_decode(qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim, cache,
                                     inp.token_positions, inp.kv_indices, inp.kv_indptr, q_norm, k_norm, eps,
                                     self.scale, ws)
