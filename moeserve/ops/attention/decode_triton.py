@@ -232,7 +232,9 @@ def qkv_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: to
     :func:`moeserve.ops.attention.qkv_triton.qkv_rope_append` does, k and v written into ``cache``
     ``[pages, 2, page_size, Hkv, D]`` at position ``kv_positions[t]`` of request ``t`` (a decode step's token
     ``t`` is its request ``t``; pages ``kv_indices[kv_indptr[t]:]``), and each query attending over that
-    request's ``kv_positions[t] + 1`` keys with softmax scale ``scale``. ``block``: keys per iteration."""
+    request's ``kv_positions[t] + 1`` keys with softmax scale ``scale``. ``block`` (keys per iteration),
+    ``num_warps`` and ``num_stages`` are the launch's tuning; ``merge=False`` is a timing-only variant for
+    ``scripts/attention_variants.py`` that leaves the output unwritten wherever the step splits."""
     _check(qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache, workspace)
     t = qkv.shape[0]
     if out is None:
