@@ -88,8 +88,9 @@ class RuntimePlan:
         """Decode steps of at most this many tokens run the one-kernel Triton decode attention
         (``moeserve.ops.attention.decode_triton``): ``attention_decode_triton_max_tokens`` on the fused QKV path
         with a rotary width the kernel takes (the head, or at least 16 short of it), up to the largest step."""
+        from moeserve.ops.attention import decode_kernel_takes_rotary
         m = self.arch
-        if not self.fused_qkv or (m.rotary_dim < m.head_dim and m.head_dim - m.rotary_dim < 16):
+        if not self.fused_qkv or not decode_kernel_takes_rotary(m.head_dim, m.rotary_dim):
             return 0
         return min(self.config.attention_decode_triton_max_tokens, self.max_step_tokens)
 

@@ -7,6 +7,12 @@ from dataclasses import dataclass
 import torch
 
 
+def decode_kernel_takes_rotary(head_dim: int, rotary_dim: int) -> bool:
+    """Whether the one-kernel Triton decode (``moeserve.ops.attention.decode_triton``) fits a rotary width: its
+    tiles take the rotated halves and an unrotated rest of at least 16 dims, or no rest."""
+    return rotary_dim >= head_dim or head_dim - rotary_dim >= 16
+
+
 @dataclass
 class AttentionInputs:
     """One step's batch in FlashInfer's CSR form.

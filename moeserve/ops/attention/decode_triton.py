@@ -27,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.ops.attention.qkv_triton import _norm_rope_heads, _store_heads, qkv_rope_append_reference
+from moeserve.ops.attention import decode_kernel_takes_rotary
+from moeserve.ops.attention.qkv_triton import (_norm_rope_heads, _store_heads, check_qkv_inputs,
+                                               qkv_rope_append_reference)
 from moeserve.ops.pdl import launch_kwargs
 from moeserve.ops.pdl_triton import wait_prior
 
@@ -202,21 +204,15 @@ class DecodeWorkspace:
         return tokens <= self.max_tokens and tokens * self.num_kv_heads * MAX_SPLITS >= self.num_sms
 
 
-def _check(qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache, ws):
-    t, width = qkv.shape
-    if width != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
-        raise ValueError(f"qkv_decode_attention: qkv {tuple(qkv.shape)} is not [T, (Hq + 2 Hkv) * D] with "
-                         "contiguous rows")
+def _check(qkv, cos_sin, num_heads, num_kv_heads, head_dim, ws):
+    """What this kernel needs beyond the QKV kernel's inputs (``check_qkv_inputs``)."""
+    t = qkv.shape[0]
     if num_heads % num_kv_heads:
         raise ValueError(f"qkv_decode_attention: {num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
     rot = cos_sin.shape[1]
-    if rot % 2 or rot > head_dim or (rot < head_dim and head_dim - rot < 16):
-        raise ValueError(f"qkv_decode_attention: rotary width {rot} must be even, at most head_dim {head_dim}, "
-                         "and all of it or at least 16 less")
-    if cache.dim() != 5 or cache.shape[1] != 2 or tuple(cache.shape[3:]) != (num_kv_heads, head_dim):
-        raise ValueError(f"qkv_decode_attention: cache {tuple(cache.shape)} is not [pages, 2, page, Hkv, D]")
-    if cache.dtype != qkv.dtype or cache.stride(4) != 1:
-        raise ValueError(f"qkv_decode_attention: cache must be {qkv.dtype} with contiguous heads, got {cache.dtype}")
+    if not decode_kernel_takes_rotary(head_dim, rot):
+        raise ValueError(f"qkv_decode_attention: rotary width {rot} must be all of head_dim {head_dim} or at "
+                         "least 16 less")
     if t > ws.max_tokens:
         raise ValueError(f"qkv_decode_attention: {t} tokens, the workspace holds {ws.max_tokens}")
 
@@ -235,13 +231,9 @@ def qkv_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: to
     request's ``kv_positions[t] + 1`` keys with softmax scale ``scale``. ``block`` (keys per iteration),
     ``num_warps`` and ``num_stages`` are the launch's tuning; ``merge=False`` is a timing-only variant for
     ``scripts/attention_variants.py`` that leaves the output unwritten wherever the step splits."""
-    _check(qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache, workspace)
+    out = check_qkv_inputs("qkv_decode_attention", qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache, out)
+    _check(qkv, cos_sin, num_heads, num_kv_heads, head_dim, workspace)
     t = qkv.shape[0]
-    if out is None:
-        out = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    elif out.shape != (t, num_heads, head_dim) or out.dtype != qkv.dtype or not out.is_contiguous():
-        raise ValueError(f"qkv_decode_attention: out {tuple(out.shape)} {out.dtype} is not a contiguous "
-                         f"[{t}, {num_heads}, {head_dim}] tensor of {qkv.dtype}")
     if t == 0:
         return out
     norm = q_norm is not None

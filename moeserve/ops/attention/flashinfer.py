@@ -30,7 +30,7 @@ import torch
 
 from moeserve.kernel_cache import flashinfer_env  # noqa: F401
 from moeserve.kernel_cache.modules import DECODE_GEN, PREFILL_GEN, KernelModule, Target, dtype_arg, short_dtype
-from moeserve.ops.attention import AttentionInputs, AttentionSplit
+from moeserve.ops.attention import AttentionInputs, AttentionSplit, decode_kernel_takes_rotary
 from moeserve.ops.interfaces import AttentionBackend
 from moeserve.ops.kv_cache import KVCache
 
@@ -81,7 +81,7 @@ class FlashInferAttention(AttentionBackend):
         (QKV kernel, attention and merge in one launch) where it applies: the fused QKV path and a rotary width
         that is the head or at least 16 short of it. Returns whether it is on."""
         d = self.head_dim
-        if max_tokens <= 0 or not self.fuse_qkv or (rotary_dim < d and d - rotary_dim < 16):
+        if max_tokens <= 0 or not self.fuse_qkv or not decode_kernel_takes_rotary(d, rotary_dim):
             self.decode_ws = None
             return False
         from moeserve.ops.attention.decode_triton import DecodeWorkspace, qkv_decode_attention

@@ -108,17 +108,25 @@ def qkv_rope_append_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_out_ptr, cache_ptr, 
         tl.store(slot + stride_kv + kh[:, None] * stride_head + dd[None, :], v, mask=mv)
 
 
-def _check(qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache):
+def check_qkv_inputs(op: str, qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache, out) -> torch.Tensor:
+    """The checks both kernels from the QKV projection make (``op`` names the caller in the messages); returns
+    ``out``, or a new ``[T, Hq, D]`` tensor when it is None."""
     t, width = qkv.shape
     if width != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
-        raise ValueError(f"qkv_rope_append: qkv {tuple(qkv.shape)} is not [T, (Hq + 2 Hkv) * D] with contiguous rows")
+        raise ValueError(f"{op}: qkv {tuple(qkv.shape)} is not [T, (Hq + 2 Hkv) * D] with contiguous rows")
     rot = cos_sin.shape[1]
     if rot % 2 or rot > head_dim:
-        raise ValueError(f"qkv_rope_append: rotary width {rot} must be even and at most head_dim {head_dim}")
+        raise ValueError(f"{op}: rotary width {rot} must be even and at most head_dim {head_dim}")
     if cache.dim() != 5 or cache.shape[1] != 2 or tuple(cache.shape[3:]) != (num_kv_heads, head_dim):
-        raise ValueError(f"qkv_rope_append: cache {tuple(cache.shape)} is not [pages, 2, page, Hkv, D]")
+        raise ValueError(f"{op}: cache {tuple(cache.shape)} is not [pages, 2, page, Hkv, D]")
     if cache.dtype != qkv.dtype or cache.stride(4) != 1:
-        raise ValueError(f"qkv_rope_append: cache must be {qkv.dtype} with contiguous heads, got {cache.dtype}")
+        raise ValueError(f"{op}: cache must be {qkv.dtype} with contiguous heads, got {cache.dtype}")
+    if out is None:
+        return torch.empty((t, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if out.shape != (t, num_heads, head_dim) or out.dtype != qkv.dtype or not out.is_contiguous():
+        raise ValueError(f"{op}: out {tuple(out.shape)} {out.dtype} is not a contiguous "
+                         f"[{t}, {num_heads}, {head_dim}] tensor of {qkv.dtype}")
+    return out
 
 
 def qkv_rope_append(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
@@ -131,15 +139,8 @@ def qkv_rope_append(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
     at each token's slot. ``cos_sin``: float32 ``[positions, rotary_dim]``, cos then sin (neox rotation of the
     first ``rotary_dim`` dims of each head). ``q_norm``/``k_norm``: per-head RMSNorm weights ``[D]`` (both or
     neither). ``out``: where q goes (contiguous ``[T, Hq, D]`` of qkv's dtype), else a new tensor."""
-    _check(qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache)
+    q = check_qkv_inputs("qkv_rope_append", qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache, out)
     t = qkv.shape[0]
-    if out is None:
-        q = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    elif out.shape != (t, num_heads, head_dim) or out.dtype != qkv.dtype or not out.is_contiguous():
-        raise ValueError(f"qkv_rope_append: out {tuple(out.shape)} {out.dtype} is not a contiguous "
-                         f"[{t}, {num_heads}, {head_dim}] tensor of {qkv.dtype}")
-    else:
-        q = out
     if t == 0:
         return q
     rot = cos_sin.shape[1]
