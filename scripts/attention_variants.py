@@ -8,7 +8,8 @@ Variants: ``decode`` (CUDA-core decode, the engine's), ``decode-nosplit`` (the s
 cache), ``fa3`` (the paged FA3 prefill wrapper with one query per request), ``xqa`` (TensorRT-LLM's XQA decode
 kernel through ``flashinfer.decode.xqa_batch_decode_with_kv_cache``; JIT-compiled), each at every page size
 given. Two more run the whole attention of a decode layer from its QKV projection: ``qkv+decode`` (the
-engine's QKV kernel, then the CUDA-core decode: what a layer runs by default) and ``triton`` (the one-kernel
+engine's QKV kernel, then the CUDA-core decode; ``qkv+decode-tc`` with the tensor-core decode, which the
+engine takes for GQA groups of 4 or more) and ``triton`` (the one-kernel
 decode of ``moeserve.ops.attention.decode_triton``; ``triton:B:W@N`` runs it with B keys per iteration, W warps,
 and the split count it picks for a GPU of N SMs),
 checked against ``qkv+decode``; both write the new token's key and value into the last slot of each request.
@@ -148,9 +149,9 @@ def main(argv=None) -> int:
                         step = lambda i: xqa_batch_decode_with_kv_cache(  # noqa: E731
                             q, data[i], xqa_ws, table, seq, args.context, bmm1_scale=scale, bmm2_scale=1.0,
                             out=out[i], kv_layout="NHD")
-                    elif name == "qkv+decode":
+                    elif name in ("qkv+decode", "qkv+decode-tc"):
                         from moeserve.ops.attention.qkv_triton import qkv_rope_append
-                        w = decode_wrapper(False, False)
+                        w = decode_wrapper(name.endswith("-tc"), False)
                         qbuf = torch.empty(b, hq, d, dtype=dtype, device="cuda")
 
                         def step(i, w=w, qbuf=qbuf):
@@ -181,7 +182,7 @@ def main(argv=None) -> int:
                     continue
                 outs[name] = out
                 # the triton variants against the layer they replace; FlashInfer's others against its decode
-                ref = (outs.get("qkv+decode") if name.startswith("triton")
+                ref = (outs.get("qkv+decode") if name.startswith("triton") or name == "qkv+decode-tc"
                        else None if name == "qkv+decode" else outs.get("decode"))
                 err = (out.float() - ref.float()).abs().max().item() if ref is not None else 0.0
                 if name.endswith("-nomerge"):  # writes no output where it splits: timing only

@@ -1,5 +1,5 @@
-"""Dense linears for small steps: a Triton GEMV, the opt-in ``triton`` linear backend (``backends.linear:
-triton``; ``auto`` keeps cuBLAS).
+"""Dense linears for small steps: a Triton GEMV, the ``triton`` linear backend (what ``auto`` takes on a GPU for
+unquantised bf16/fp16 weights; ``backends.linear: torch`` keeps cuBLAS for every step).
 
 At decode batch sizes cuBLAS picks tile shapes made for larger M: on an H200 the c=1 step of Qwen1.5-MoE spends
 1.44 ms in GEMMs whose weights need ~0.77 ms to read. Here each program owns ``BLOCK_N`` output features and
@@ -13,7 +13,7 @@ step's GEMM time went from 1.44 ms (cuBLAS) to 1.57 ms (1.30 ms of it the GEMV, 
 throughput at c = 1 to 8 moved by less than the run-to-run spread. With the current tiles and the LM head left
 to cuBLAS (docs/results/2026-12-02-h200-m), ``linear_gemv_max_tokens: 1`` (the default) decoded 1.9% faster
 than cuBLAS at c=1 in one A/B of two rounds; at c=2 the GEMV (``linear_gemv_max_tokens: 4``) was 2.5% slower.
-``auto`` keeps cuBLAS.
+So by default only one-token steps run it.
 """
 from __future__ import annotations
 

@@ -15,6 +15,8 @@ from lockstep import lockstep
 pytestmark = pytest.mark.gpu
 
 PROMPT_LENS = [5, 40, 130, 17, 66, 1, 250, 9]
+# the torch path: every operator, the linears too (auto takes the Triton GEMV for one-token steps on a GPU)
+TORCH_OPS = ("attention", "moe", "routing", "norm", "rope", "activation", "sampling", "linear")
 MAX_TOKENS = 10
 GPU_QWEN3 = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
                  moe_intermediate_size=128, intermediate_size=256, num_experts=16, num_experts_per_tok=4,
@@ -39,8 +41,7 @@ def test_fast_path_matches_torch_path(tmp_path, kind, shape, moe):
     make_checkpoint(kind, tmp_path, seed=1, **shape)
     fast = engine(tmp_path, {"attention": "flashinfer", "moe": moe, "norm": "flashinfer", "rope": "flashinfer",
                              "activation": "flashinfer", "sampling": "flashinfer"}, eager=False)
-    ref = engine(tmp_path, {k: "torch" for k in ("attention", "moe", "routing", "norm", "rope", "activation", "sampling")},
-                 eager=True)
+    ref = engine(tmp_path, {k: "torch" for k in TORCH_OPS}, eager=True)
     assert fast.runner.graphs is not None
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, shape["vocab_size"], (n,), generator=g).tolist() for n in PROMPT_LENS]
@@ -138,8 +139,8 @@ def test_gemv_backend_follows_the_cublas_engine(tmp_path):
     make_checkpoint("qwen2_moe", tmp_path, seed=12, **GPU_QWEN2)
     fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
     gemv = engine(tmp_path, {**fast, "moe": "triton", "linear": "triton"}, eager=False, linear_gemv_max_tokens=4)
-    ref = engine(tmp_path, {**fast, "moe": "triton"}, eager=False)
-    assert gemv.runner.ops.linear.name == "triton" and ref.runner.ops.linear.name != "triton"
+    ref = engine(tmp_path, {**fast, "moe": "triton", "linear": "torch"}, eager=False)
+    assert gemv.runner.ops.linear.name == "triton" and ref.runner.ops.linear.name == "torch"
     g = torch.Generator().manual_seed(17)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 50, 7, 20)]
     r = lockstep(gemv, ref, prompts, MAX_TOKENS, follow="fast")
@@ -162,8 +163,7 @@ def test_triton_decode_attention_matches_torch_path(tmp_path, kind, shape, eager
     calls = []
     launch = att._qkv_decode
     att._qkv_decode = lambda *a, **k: calls.append(a[0].shape[0]) or launch(*a, **k)
-    ref = engine(tmp_path, {k: "torch" for k in ("attention", "moe", "routing", "norm", "rope", "activation",
-                                                  "sampling")}, eager=True)
+    ref = engine(tmp_path, {k: "torch" for k in TORCH_OPS}, eager=True)
     g = torch.Generator().manual_seed(23)
     prompts = [torch.randint(0, shape["vocab_size"], (n,), generator=g).tolist() for n in PROMPT_LENS]
     r = lockstep(tri, ref, prompts, MAX_TOKENS, follow="fast")

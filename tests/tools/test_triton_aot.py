@@ -29,7 +29,7 @@ def tiny_plan(max_tokens=24, **kw):
 def test_dry_run_lists_the_triton_kernels_of_the_bench_configuration():
     out = subprocess.run([sys.executable, "-m", "moeserve.cli", "precompile", "--config",
                           "moeserve/presets/bench-gpu.yaml", "--arch", "9.0a", "--out", "/nonexistent/cache",
-                          "--dry-run", "--modules", "norm", "--set", "backends.linear=triton"],
+                          "--dry-run", "--modules", "norm"],
                          capture_output=True, text=True, cwd=REPO, timeout=300,
                          env={"COLUMNS": "300", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr[-2000:]
@@ -53,8 +53,8 @@ def test_dry_run_lists_the_triton_kernels_of_the_bench_configuration():
     assert len(qkv) == 2 and sum("PDL=True" in line for line in qkv) == 1, qkv
     assert "BLOCK_SIZE_M=16 BLOCK_SIZE_N=32 BLOCK_SIZE_K=128" in text  # the tuned H200 table's M=1 tile
     assert "PAIRWISE=True" in text and "PAIRWISE=False" in text  # one-token steps skip the alignment
-    # the (opt-in) triton linear backend's GEMV: qkv_proj carries a bias, the shared expert's down projection
-    # K=5632 takes the long-row tile
+    # the triton linear backend's GEMV (auto on a GPU, one-token steps): qkv_proj carries a bias, the shared
+    # expert's down projection K=5632 takes the long-row tile
     assert "_gemv_kernel" in text and "HAS_BIAS=True" in text and "BLOCK_K=1024" in text
 
 
@@ -170,7 +170,10 @@ def test_the_decode_kernel_is_listed_with_its_option_and_compiles_for_sm90(tmp_p
     assert plan.triton_decode_max_tokens == 32 and len(found) == 1 and found[0]["constants"]["PDL"] == "True"
     _, found = entries("qwen1.5-moe-a2.7b", attention_decode_triton_max_tokens=32, pdl_max_tokens=8)
     assert sorted(k["constants"].get("PDL", "False") for k in found) == ["False", "True"]
-    for kw in ({}, {"attention_decode_triton_max_tokens": 32, "attention_fused_qkv": False}):
+    plan, found = entries("qwen1.5-moe-a2.7b")  # the default: steps of up to 32 tokens
+    assert plan.triton_decode_max_tokens == 32 and len(found) == 1
+    for kw in ({"attention_decode_triton_max_tokens": 0},
+               {"attention_decode_triton_max_tokens": 32, "attention_fused_qkv": False}):
         plan, found = entries("qwen1.5-moe-a2.7b", **kw)
         assert plan.triton_decode_max_tokens == 0 and found == [], kw
     import torch

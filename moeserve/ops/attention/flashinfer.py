@@ -5,7 +5,7 @@
 - Any step with a prefill chunk, mixed with decodes or not, uses one causal
   ``BatchPrefillWithPagedKVCacheWrapper`` plan over all its requests (FA3 on sm90), which also covers
   chunked prefill over earlier pages.
-- Decode steps of at most ``attention_decode_triton_max_tokens`` tokens (off by default) can instead run the
+- Decode steps of at most ``attention_decode_triton_max_tokens`` tokens (32 by default) instead run the
   QKV kernel's work, the attention and the merge of its splits in one Triton kernel
   (``moeserve.ops.attention.decode_triton``) where it has programs enough for the GPU's SMs
   (``DecodeWorkspace.serves``); FlashInfer still plans them (its fixed index buffers are what the kernel reads
