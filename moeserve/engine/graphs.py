@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, captured largest first in a shared pool.
+"""CUDA graphs for decode steps: one graph per batch-size bucket (one per variant where the attention backend
+has several for that size, ``graph_variants``), captured largest first in a shared pool.
 
 A decode batch is padded up to the smallest captured size that holds it (padded rows read and write the
 reserved page 0); batches larger than the largest bucket run eagerly. Each graph covers the whole model
@@ -23,9 +24,10 @@ class DecodeGraphs:
         self.runner = runner
         self.sizes = sorted(set(sizes))
         self.max_batch_size = self.sizes[-1]
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # keyed by (batch size, the attention backend's variant)
+        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[tuple[int, str], torch.Tensor] = {}
         self.pool = None
         # Kernel nodes keep the priority of the stream they were captured on (torch instantiates graphs with
         # cudaGraphInstantiateFlagUseNodePriority). shared_expert_stream_priority puts one of the two paths on a
@@ -61,24 +63,26 @@ class DecodeGraphs:
                 attn.init_graph(bs, r.max_pages_per_seq)
                 ids = torch.zeros(bs, dtype=torch.int32, device=r.device)
                 pos = torch.zeros(bs, dtype=torch.int32, device=r.device)
-                attn.begin_graph(bs, self._dummy_batch(bs).attn)
-                model.compute_logits(model(ids, pos))  # warm-up: loads kernels outside the capture
-                torch.cuda.synchronize(r.device)
-                g = torch.cuda.CUDAGraph()
+                self.inputs[bs] = (ids, pos)
                 first = self.priority if bs <= self.priority_max_tokens else "equal"
-                side = r.ops.side_stream
-                if first == "shared":
-                    r.ops.side_stream = self.high_priority_stream
-                try:
-                    with torch.cuda.graph(g, pool=self.pool,
-                                          stream=self.high_priority_stream if first == "routed" else None):
-                        logits = model.compute_logits(model(ids, pos))
-                finally:
-                    r.ops.side_stream = side
                 self.first[bs] = first
-                if self.pool is None:
-                    self.pool = g.pool()
-                self.graphs[bs], self.inputs[bs], self.outputs[bs] = g, (ids, pos), logits
+                for variant in attn.graph_variants(bs):
+                    attn.begin_graph(bs, self._dummy_batch(bs).attn, variant)
+                    model.compute_logits(model(ids, pos))  # warm-up: loads kernels outside the capture
+                    torch.cuda.synchronize(r.device)
+                    g = torch.cuda.CUDAGraph()
+                    side = r.ops.side_stream
+                    if first == "shared":
+                        r.ops.side_stream = self.high_priority_stream
+                    try:
+                        with torch.cuda.graph(g, pool=self.pool,
+                                              stream=self.high_priority_stream if first == "routed" else None):
+                            logits = model.compute_logits(model(ids, pos))
+                    finally:
+                        r.ops.side_stream = side
+                    if self.pool is None:
+                        self.pool = g.pool()
+                    self.graphs[bs, variant], self.outputs[bs, variant] = g, logits
                 if bar is not None:
                     bar.update(task, advance=1, description=f"capturing decode CUDA graphs (batch {bs})")
         finally:
@@ -89,8 +93,8 @@ class DecodeGraphs:
         ids, pos = self.inputs[bs]
         ids.copy_(batch.input_ids)
         pos.copy_(batch.positions)
-        self.runner.ops.attention.begin_graph(bs, batch.attn)
+        variant = self.runner.ops.attention.begin_graph(bs, batch.attn)
         if after_plan is not None:
             after_plan()
-        self.graphs[bs].replay()
-        return self.outputs[bs]
+        self.graphs[bs, variant].replay()
+        return self.outputs[bs, variant]

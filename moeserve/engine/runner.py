@@ -221,7 +221,8 @@ class ModelRunner:
                                                    a.head_dim ** -0.5, self.device, self.dtype)
         att.fuse_qkv = att.fuse_qkv and self.plan.fused_qkv
         if self.plan.triton_decode_max_tokens:
-            att.enable_triton_decode(self.plan.triton_decode_max_tokens, a.rotary_dim)
+            att.enable_triton_decode(self.plan.triton_decode_max_tokens, a.rotary_dim,
+                                     self.cfg.attention_decode_triton_max_context)
         return att
 
     def _num_kv_pages(self) -> int:
@@ -310,7 +311,7 @@ class ModelRunner:
         self.startup_phases["cuda_graphs"] = round(self.graph_capture_seconds, 3)
         self.graph_memory_bytes = max(0, free0 - torch.cuda.mem_get_info(self.device)[0])
         if self.graphs is not None:
-            log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs.sizes),
+            log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs.graphs),
                      self.graphs.sizes, t1 - t0)
         if self.piecewise is not None:
             log.info("captured piecewise CUDA graphs of %d token counts (%d to %d) in %.1f s",

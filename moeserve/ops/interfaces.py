@@ -50,7 +50,14 @@ class AttentionBackend(ABC):
     def init_graph(self, batch_size: int, max_pages_per_seq: int) -> None:
         raise NotImplementedError(f"attention backend {self.name!r} cannot be captured in CUDA graphs")
 
-    def begin_graph(self, batch_size: int, inp) -> None:
+    def graph_variants(self, batch_size: int) -> tuple[str, ...]:
+        """The decode graphs to capture for ``batch_size``, one per label (a backend that runs some steps of
+        that size through other kernels, as chosen in ``begin_graph``, names each way)."""
+        return ("",)
+
+    def begin_graph(self, batch_size: int, inp, variant: str | None = None) -> str:
+        """Plan a captured decode step of ``batch_size`` (``inp`` padded to it) and return which of
+        ``graph_variants`` it replays; ``variant`` given (at capture) is the one to set up."""
         raise NotImplementedError(f"attention backend {self.name!r} cannot be captured in CUDA graphs")
 
 

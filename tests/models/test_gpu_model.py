@@ -179,6 +179,34 @@ def test_triton_decode_attention_matches_torch_path(tmp_path, kind, shape, eager
     assert r.worst > 0.995 and r.agreement >= 0.95
 
 
+def test_triton_decode_graphs_give_way_to_flashinfer_past_the_context_bound(tmp_path):
+    """``attention_decode_triton_max_context``: the decode graphs of the sizes the Triton decode serves are
+    captured both ways, and a step replays FlashInfer's while its longest request holds more than the bound;
+    requests that cross it mid-decode follow the torch path with the fast path's tolerance."""
+    make_checkpoint("qwen2_moe", tmp_path, seed=21, **GPU_QWEN2)
+    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
+    eng = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, attention_decode_triton_max_tokens=8,
+                 attention_decode_triton_max_context=64)
+    att = eng.runner.ops.attention
+    keys = set(eng.runner.graphs.graphs)
+    # 4 kv heads: steps of 3 tokens or more have programs enough for the SMs (serves), smaller ones one way
+    assert {(1, "flashinfer"), (2, "flashinfer"), (4, "triton"), (4, "flashinfer"), (8, "triton"),
+            (8, "flashinfer")} == keys
+    replayed, begin = [], att.begin_graph
+
+    def spy(bs, inp, variant=None):  # (batch size, longest request, the variant replayed) of each graph step
+        replayed.append((bs, max(inp.seq_lens), begin(bs, inp, variant)))
+        return replayed[-1][2]
+    att.begin_graph = spy
+    ref = engine(tmp_path, {k: "torch" for k in TORCH_OPS}, eager=True)
+    g = torch.Generator().manual_seed(29)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (58, 5, 17, 40, 9, 33)]
+    r = lockstep(eng, ref, prompts, MAX_TOKENS, follow="fast")
+    assert r.worst > 0.995 and r.agreement >= 0.95
+    assert {v for bs, n, v in replayed if bs >= 4 and n <= 64} == {"triton"}
+    assert {v for bs, n, v in replayed if bs >= 4 and n > 64} == {"flashinfer"}
+
+
 @pytest.mark.parametrize("first", ["shared", "routed"])
 def test_stream_priorities_leave_the_logits_alone(tmp_path, first):
     """``shared_expert_stream_priority``: the shared expert's stream or the main stream captured at the higher

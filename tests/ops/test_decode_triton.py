@@ -114,6 +114,18 @@ def test_steps_with_too_few_programs_for_the_sms_are_left_to_flashinfer():
     assert [gqa.serves(t) for t in (1, 2, 3, 32)] == [False, False, True, True]
 
 
+def test_steps_with_a_request_past_the_context_bound_are_left_to_flashinfer():
+    """``attention_decode_triton_max_context``: a step runs the kernel only while its longest request holds at
+    most that many tokens (the bound itself included); without a length (graph capture) only the token count
+    decides."""
+    from moeserve.ops.attention.decode_triton import DecodeWorkspace
+    ws = DecodeWorkspace(32, 16, 16, 128, torch.device("cpu"), num_sms=132, max_context=4096)
+    assert [ws.serves(8, n) for n in (1, 560, 4096, 4097, 16384)] == [True, True, True, False, False]
+    assert ws.serves(8) and not ws.serves(33, 100)
+    unbounded = DecodeWorkspace(32, 16, 16, 128, torch.device("cpu"), num_sms=132)
+    assert unbounded.serves(8, 1 << 20)
+
+
 def test_bad_inputs_are_refused_by_name():
     from moeserve.ops.attention.decode_triton import DecodeWorkspace, qkv_decode_attention
     args = make_case(CASES["mha"], torch.float32, torch.Generator().manual_seed(0), num_pages=48, max_pos=256)

@@ -187,20 +187,25 @@ class DecodeWorkspace:
     buffers: CUDA graphs replay against them)."""
 
     def __init__(self, max_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
-                 num_sms: int | None = None):
+                 num_sms: int | None = None, max_context: int | None = None):
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
         self.max_tokens, self.num_sms = max_tokens, num_sms
+        self.max_context = max_context  # longest request a step may hold (None: any)
         slots = max(t * num_splits(t, num_kv_heads, num_sms) for t in range(1, max_tokens + 1))
         self.part_o = torch.empty(slots * num_heads * head_dim, dtype=torch.float32, device=device)
         self.part_ml = torch.empty(slots * num_heads * 2, dtype=torch.float32, device=device)
         self.counter = torch.zeros(max_tokens * num_kv_heads, dtype=torch.int32, device=device)
         self.num_kv_heads = num_kv_heads
 
-    def serves(self, tokens: int) -> bool:
+    def serves(self, tokens: int, longest: int | None = None) -> bool:
         """Whether a decode step of ``tokens`` tokens runs here: at most ``max_tokens``, and enough (token, head,
         split) programs for one per SM at the most splits (with fewer, as for a model of few kv heads at one or
-        two tokens, each program streams a long request's keys alone and FlashInfer's decode is left the step)."""
+        two tokens, each program streams a long request's keys alone and FlashInfer's decode is left the step);
+        given ``longest``, the tokens its longest request holds, also at most ``max_context`` of them (longer
+        requests stream more keys per program than FlashInfer's finer splits do)."""
+        if longest is not None and self.max_context is not None and longest > self.max_context:
+            return False
         return tokens <= self.max_tokens and tokens * self.num_kv_heads * MAX_SPLITS >= self.num_sms
 
 

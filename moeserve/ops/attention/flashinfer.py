@@ -7,9 +7,10 @@
   chunked prefill over earlier pages.
 - Decode steps of at most ``attention_decode_triton_max_tokens`` tokens (32 by default) instead run the
   QKV kernel's work, the attention and the merge of its splits in one Triton kernel
-  (``moeserve.ops.attention.decode_triton``) where it has programs enough for the GPU's SMs
-  (``DecodeWorkspace.serves``); FlashInfer still plans them (its fixed index buffers are what the kernel reads
-  in CUDA graphs).
+  (``moeserve.ops.attention.decode_triton``) where it has programs enough for the GPU's SMs and the longest
+  request holds at most ``attention_decode_triton_max_context`` tokens (``DecodeWorkspace.serves``; the decode
+  graphs of those sizes are captured both ways, ``graph_variants``); FlashInfer still plans them (its fixed
+  index buffers are what the kernel reads in CUDA graphs).
 - New keys and values go in through ``flashinfer.page.append_paged_kv_cache``, or, from the QKV projection
   whole (``forward_qkv``), through one Triton kernel that also applies the q/k norms and the rotary embedding
   (``moeserve.ops.attention.qkv_triton``).
@@ -75,19 +76,27 @@ class FlashInferAttention(AttentionBackend):
         self.wrapper = None
         self.split: AttentionSplit | None = None  # set while the engine captures piecewise CUDA graphs
         self.decode_ws = None  # with enable_triton_decode: decode steps of few tokens in one Triton kernel
+        self.decode_variant = "flashinfer"  # how this step's decode runs: "triton" (decode_ws) or "flashinfer"
 
-    def enable_triton_decode(self, max_tokens: int, rotary_dim: int) -> bool:
-        """Run decode steps of at most ``max_tokens`` tokens through ``moeserve.ops.attention.decode_triton``
-        (QKV kernel, attention and merge in one launch) where it applies: the fused QKV path and a rotary width
-        that is the head or at least 16 short of it. Returns whether it is on."""
+    def enable_triton_decode(self, max_tokens: int, rotary_dim: int, max_context: int | None = None) -> bool:
+        """Run decode steps of at most ``max_tokens`` tokens whose longest request holds at most ``max_context``
+        tokens through ``moeserve.ops.attention.decode_triton`` (QKV kernel, attention and merge in one launch)
+        where it applies: the fused QKV path and a rotary width that is the head or at least 16 short of it.
+        Returns whether it is on."""
         d = self.head_dim
         if max_tokens <= 0 or not self.fuse_qkv or not decode_kernel_takes_rotary(d, rotary_dim):
             self.decode_ws = None
             return False
         from moeserve.ops.attention.decode_triton import DecodeWorkspace, qkv_decode_attention
         self._qkv_decode = qkv_decode_attention
-        self.decode_ws = DecodeWorkspace(max_tokens, self.num_heads, self.num_kv_heads, d, self.device)
+        self.decode_ws = DecodeWorkspace(max_tokens, self.num_heads, self.num_kv_heads, d, self.device,
+                                         max_context=max_context)
         return True
+
+    def _decode_variant(self, tokens: int, inp: AttentionInputs) -> str:
+        ws = self.decode_ws
+        longest = max(inp.seq_lens, default=0)
+        return "triton" if ws is not None and inp.is_decode and ws.serves(tokens, longest) else "flashinfer"
 
     @property
     def supports_piecewise(self) -> bool:
@@ -102,6 +111,7 @@ class FlashInferAttention(AttentionBackend):
 
     def begin(self, inp: AttentionInputs) -> None:
         self.inp = inp
+        self.decode_variant = self._decode_variant(inp.num_tokens, inp)
         if inp.is_decode:
             self._plan_decode(self.decode, inp)
             self.wrapper = self.decode
@@ -124,11 +134,10 @@ class FlashInferAttention(AttentionBackend):
         cache = self.kv.layer(layer)
         inp = self.inp
         split = self.split
-        ws = self.decode_ws
-        if ws is not None and split is None and inp.is_decode and ws.serves(qkv.shape[0]):
+        if self.decode_variant == "triton" and split is None and inp.is_decode:
             return self._qkv_decode(qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim, cache,
                                     inp.token_positions, inp.kv_indices, inp.kv_indptr, q_norm, k_norm, eps,
-                                    self.scale, ws)
+                                    self.scale, self.decode_ws)
         q = self._qkv_rope_append(qkv, positions, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim, cache,
                                   inp.batch_indices, inp.token_positions, inp.kv_indices, inp.kv_indptr,
                                   q_norm, k_norm, eps, out=None if split is None else split.q[:qkv.shape[0]])
@@ -164,13 +173,22 @@ class FlashInferAttention(AttentionBackend):
         )
         self.graphs[batch_size] = _GraphBuffers(wrapper, inputs)
 
-    def begin_graph(self, batch_size: int, inp: AttentionInputs) -> None:
-        """Plan the captured wrapper for this step (``inp`` already padded to ``batch_size``)."""
+    def graph_variants(self, batch_size: int) -> tuple[str, ...]:
+        """Both ways for step sizes the Triton decode serves (which one replays depends on the step's longest
+        request, ``attention_decode_triton_max_context``); FlashInfer's decode for the others."""
+        ws = self.decode_ws
+        return ("triton", "flashinfer") if ws is not None and ws.serves(batch_size) else ("flashinfer",)
+
+    def begin_graph(self, batch_size: int, inp: AttentionInputs, variant: str | None = None) -> str:
+        """Plan the captured wrapper for this step (``inp`` already padded to ``batch_size``); returns the graph
+        variant it replays (``variant``, when given, at capture)."""
         g = self.graphs[batch_size]
         self._plan_decode(g.wrapper, inp)
         g.inputs.token_positions.copy_(inp.token_positions, non_blocking=True)
         self.inp = g.inputs
         self.wrapper = g.wrapper
+        self.decode_variant = variant or self._decode_variant(batch_size, inp)
+        return self.decode_variant
 
 
 # --- the FlashInfer modules this backend loads (for ahead-of-time builds) ------------------------------
