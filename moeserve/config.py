@@ -214,10 +214,12 @@ class EngineConfig(_Strict):
         "in the kernel) as one Triton kernel instead of the QKV kernel and FlashInfer's decode (Qwen1.5-MoE on an "
         "H200, 32: 0.6 to 1.8 percent faster at c = 1, 4 and 32, 0.4 slower at c=16); 0 never")
     attention_decode_triton_max_context: int = Field(
-        4096, ge=1, description="the one-kernel Triton decode attention (attention_decode_triton_max_tokens) only "
+        1024, ge=1, description="the one-kernel Triton decode attention (attention_decode_triton_max_tokens) only "
         "for decode steps whose longest request holds at most this many tokens; longer ones run FlashInfer's "
-        "decode (on an H200 at 16k tokens and one to four requests the Triton kernel was 26 to 29 percent slower); "
-        "the decode CUDA graphs of those step sizes are captured both ways")
+        "decode (Qwen1.5-MoE's attention on an H200, one to 32 requests: at 1,024 tokens the Triton kernel was 1 to "
+        "6 percent faster except at four requests, 6 percent slower; at 2,048 up to 9 percent slower; at 4,096 and "
+        "more 10 to 29 percent slower at one to four requests); the decode CUDA graphs of those step sizes are "
+        "captured both ways")
     # vLLM's VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD
     shared_expert_stream_max_tokens: int = Field(
         256, ge=0, description="steps of at most this many tokens run the shared expert on a second CUDA stream, "
