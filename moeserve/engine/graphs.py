@@ -66,8 +66,9 @@ class DecodeGraphs:
                 self.inputs[bs] = (ids, pos)
                 first = self.priority if bs <= self.priority_max_tokens else "equal"
                 self.first[bs] = first
+                dummy = self._dummy_batch(bs).attn
                 for variant in attn.graph_variants(bs):
-                    attn.begin_graph(bs, self._dummy_batch(bs).attn, variant)
+                    attn.begin_graph(bs, dummy, variant)
                     model.compute_logits(model(ids, pos))  # warm-up: loads kernels outside the capture
                     torch.cuda.synchronize(r.device)
                     g = torch.cuda.CUDAGraph()

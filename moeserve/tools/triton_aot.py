@@ -277,6 +277,12 @@ def launch_decode_kernel(plan, tokens: int = 1) -> torch.Tensor:
         scale=d ** -0.5, workspace=ws)
 
 
+def _pdl_step_sizes(pdl_bound: int, largest: int) -> list[int]:
+    """Step sizes that cover a kernel compiled once for every step size (the token count is its grid) up to
+    ``largest`` tokens: one token, and one past the PDL bound where steps go beyond it (launched without PDL)."""
+    return [1] + ([pdl_bound + 1] if 0 < pdl_bound < largest else [])
+
+
 def launch_every_kernel(plan, on_step=None) -> None:
     """Run, on ``meta`` tensors, every Triton launch the plan can make: the attention's QKV kernel, the MoE
     layer (router, routing, fused MoE, combine) for each step size from 1 to the largest, and the GEMV for each
@@ -287,14 +293,12 @@ def launch_every_kernel(plan, on_step=None) -> None:
     fp = plan.triton_fingerprint("?")
     meta = torch.device("meta")
     with torch.no_grad(), pdl.enabled_as(fp["pdl_max_tokens"]):  # PDL launches are their own compiles
-        if fp["fused_qkv"]:  # one kernel for every step size (the token count is the grid), with PDL or without
-            bound = fp["pdl_max_tokens"]
-            for tokens in [1] + ([bound + 1] if 0 < bound < plan.max_step_tokens else []):
+        if fp["fused_qkv"]:
+            for tokens in _pdl_step_sizes(fp["pdl_max_tokens"], plan.max_step_tokens):
                 on_step(tokens)
                 launch_qkv_kernel(plan, tokens)
-        if fp["decode_max_tokens"]:  # likewise one kernel, with PDL or without
-            bound, top = fp["pdl_max_tokens"], fp["decode_max_tokens"]
-            for tokens in [1] + ([bound + 1] if 0 < bound < top else []):
+        if fp["decode_max_tokens"]:
+            for tokens in _pdl_step_sizes(fp["pdl_max_tokens"], fp["decode_max_tokens"]):
                 on_step(tokens)
                 launch_decode_kernel(plan, tokens)
         if fp["moe"] or fp["routing"]:

@@ -139,6 +139,11 @@ def test_bad_inputs_are_refused_by_name():
     bad_rot[2] = torch.zeros(64, 24)  # 8 dims unrotated: too few for the kernel's tiles
     with pytest.raises(ValueError, match="rotary width 24"):
         qkv_decode_attention(*decode_args(bad_rot), eps=1e-6, scale=1.0, workspace=ws)
+    one_norm = list(args)
+    assert one_norm[11] is None and one_norm[12] is None  # (q_norm, k_norm) of the MHA case
+    one_norm[11] = torch.ones(32)
+    with pytest.raises(ValueError, match="qkv_decode_attention: q_norm and k_norm go together"):
+        qkv_decode_attention(*decode_args(one_norm), eps=1e-6, scale=1.0, workspace=ws)
 
 
 def test_reference_is_plain_softmax_attention_over_the_written_cache():

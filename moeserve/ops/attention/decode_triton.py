@@ -236,14 +236,13 @@ def qkv_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: to
     request's ``kv_positions[t] + 1`` keys with softmax scale ``scale``. ``block`` (keys per iteration),
     ``num_warps`` and ``num_stages`` are the launch's tuning; ``merge=False`` is a timing-only variant for
     ``scripts/attention_variants.py`` that leaves the output unwritten wherever the step splits."""
-    out = check_qkv_inputs("qkv_decode_attention", qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache, out)
+    out = check_qkv_inputs("qkv_decode_attention", qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache, out,
+                           q_norm, k_norm)
     _check(qkv, cos_sin, num_heads, num_kv_heads, head_dim, workspace)
     t = qkv.shape[0]
     if t == 0:
         return out
     norm = q_norm is not None
-    if norm != (k_norm is not None):
-        raise ValueError("qkv_decode_attention: q_norm and k_norm go together")
     rot = cos_sin.shape[1]
     group = num_heads // num_kv_heads
     nsplit = num_splits(t, num_kv_heads, workspace.num_sms)

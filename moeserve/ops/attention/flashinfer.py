@@ -95,8 +95,9 @@ class FlashInferAttention(AttentionBackend):
 
     def _decode_variant(self, tokens: int, inp: AttentionInputs) -> str:
         ws = self.decode_ws
-        longest = max(inp.seq_lens, default=0)
-        return "triton" if ws is not None and inp.is_decode and ws.serves(tokens, longest) else "flashinfer"
+        if ws is None or not inp.is_decode:
+            return "flashinfer"
+        return "triton" if ws.serves(tokens, max(inp.seq_lens, default=0)) else "flashinfer"
 
     @property
     def supports_piecewise(self) -> bool:

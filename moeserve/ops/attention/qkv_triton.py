@@ -108,9 +108,12 @@ def qkv_rope_append_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_out_ptr, cache_ptr, 
         tl.store(slot + stride_kv + kh[:, None] * stride_head + dd[None, :], v, mask=mv)
 
 
-def check_qkv_inputs(op: str, qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache, out) -> torch.Tensor:
+def check_qkv_inputs(op: str, qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache, out, q_norm,
+                     k_norm) -> torch.Tensor:
     """The checks both kernels from the QKV projection make (``op`` names the caller in the messages); returns
     ``out``, or a new ``[T, Hq, D]`` tensor when it is None."""
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError(f"{op}: q_norm and k_norm go together")
     t, width = qkv.shape
     if width != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
         raise ValueError(f"{op}: qkv {tuple(qkv.shape)} is not [T, (Hq + 2 Hkv) * D] with contiguous rows")
@@ -139,14 +142,13 @@ def qkv_rope_append(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
     at each token's slot. ``cos_sin``: float32 ``[positions, rotary_dim]``, cos then sin (neox rotation of the
     first ``rotary_dim`` dims of each head). ``q_norm``/``k_norm``: per-head RMSNorm weights ``[D]`` (both or
     neither). ``out``: where q goes (contiguous ``[T, Hq, D]`` of qkv's dtype), else a new tensor."""
-    q = check_qkv_inputs("qkv_rope_append", qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache, out)
+    q = check_qkv_inputs("qkv_rope_append", qkv, cos_sin, num_heads, num_kv_heads, head_dim, cache, out, q_norm,
+                         k_norm)
     t = qkv.shape[0]
     if t == 0:
         return q
     rot = cos_sin.shape[1]
     norm = q_norm is not None
-    if norm != (k_norm is not None):
-        raise ValueError("qkv_rope_append: q_norm and k_norm go together")
     p2 = triton.next_power_of_2
     qkv_rope_append_kernel[(t, 2)](
         qkv, positions, cos_sin, q, cache, batch_indices, kv_positions, kv_indices, kv_indptr,
