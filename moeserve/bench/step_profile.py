@@ -4,12 +4,22 @@
 the wall time of a step, the GPU time of its kernels grouped by family (attention, MoE, GEMM, norm, ...)
 and the top kernels, and writes the same as JSON with ``--out``. Compile and warm-up stay outside the
 profiled window.
+
+It also reads the kernels' timeline (the profiler's trace, which ``--trace-dir`` keeps gzipped): how much of
+a step some kernel is running on the GPU and how much none is, the idle gaps by size, and, on the stream
+that runs most kernels (the step's critical path; the shared expert's side stream runs beside it), each
+kernel's time and the time between its predecessor's end and its start (negative where it started before
+its predecessor ended, as programmatic dependent launch allows; positive where it waited: for a launch, for
+the side stream it joins, or for the host).
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import os
 import re
+import tempfile
 import time
 from collections import defaultdict
 
@@ -37,7 +47,100 @@ def family(name: str) -> str:
     return "other"
 
 
-def profile_decode(engine, concurrency: int, prompt_len: int, steps: int, seed: int = 0) -> dict:
+GAP_BUCKETS_US = (1.0, 3.0, 10.0)  # idle gaps are counted as < 1, 1-3, 3-10 and >= 10 microseconds
+
+
+def kernels_from_trace(trace: dict) -> list[tuple[str, int, float, float, str]]:
+    """The GPU kernels of a torch profiler (Chrome) trace: (name, stream, start us, duration us, grid)."""
+    out = []
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or e.get("cat") != "kernel":
+            continue
+        args = e.get("args", {})
+        stream = args.get("stream", e.get("tid", 0))
+        out.append((e["name"], int(stream), float(e["ts"]), float(e["dur"]), str(args.get("grid", ""))))
+    return sorted(out, key=lambda k: k[2])
+
+
+def timeline(kernels: list[tuple[str, int, float, float, str]], steps: int) -> dict:
+    """The critical-path view of ``steps`` decode steps' kernels (see the module's docstring)."""
+    if not kernels or steps <= 0:
+        return {}
+    ivs = sorted((s, s + d) for _, _, s, d, _ in kernels)
+    busy, gaps = 0.0, []
+    lo, hi = ivs[0]
+    for s, e in ivs[1:]:
+        if s > hi:
+            busy += hi - lo
+            gaps.append(s - hi)
+            lo, hi = s, e
+        else:
+            hi = max(hi, e)
+    busy += hi - lo
+    window = ivs[-1][1] - ivs[0][0]
+    edges = (0.0,) + GAP_BUCKETS_US + (float("inf"),)
+    buckets = []
+    for a, b in zip(edges, edges[1:]):
+        sel = [g for g in gaps if a <= g < b]
+        label = f">= {a:g} us" if b == float("inf") else f"{a:g}-{b:g} us"
+        buckets.append({"gap": label, "per_step": len(sel) / steps, "us_per_step": sum(sel) / steps})
+    streams: dict[int, list] = defaultdict(list)
+    for k in kernels:
+        streams[k[1]].append(k)
+    main = max(streams, key=lambda st: (len(streams[st]), sum(k[3] for k in streams[st])))
+    rows: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0, 0.0, 0])  # calls, duration, lead, leads
+    prev_end = None
+    for name, _, s, d, grid in streams[main]:
+        r = rows[(name, grid)]
+        r[0] += 1
+        r[1] += d
+        if prev_end is not None:  # the window's first kernel has no predecessor
+            r[2] += s - prev_end
+            r[3] += 1
+        prev_end = s + d
+    main_dur = sum(r[1] for r in rows.values())
+    lead = [r[2] for r in rows.values()]
+    side = {st: ks for st, ks in streams.items() if st != main}
+    table = list(rows.items())  # in the order of their first launch
+    return {
+        "window_us_per_step": window / steps,
+        "gpu_busy_us_per_step": busy / steps,
+        "gpu_idle_us_per_step": (window - busy) / steps,
+        "idle_gaps": buckets,
+        "main_stream": {
+            "kernels_per_step": len(streams[main]) / steps,
+            "kernel_us_per_step": main_dur / steps,
+            "waiting_us_per_step": sum(x for x in lead if x > 0) / steps,
+            "overlapped_us_per_step": -sum(x for x in lead if x < 0) / steps,
+        },
+        "side_streams": {str(st): {"kernels_per_step": len(ks) / steps,
+                                   "kernel_us_per_step": sum(k[3] for k in ks) / steps} for st, ks in side.items()},
+        "critical_path": [{"name": name[:120], "grid": grid, "family": family(name), "calls_per_step": c / steps,
+                           "us_each": d / c, "lead_us_each": ld / n if n else 0.0}
+                          for (name, grid), (c, d, ld, n) in table],
+    }
+
+
+def print_timeline(t: dict) -> None:
+    if not t:
+        return
+    m = t["main_stream"]
+    print(f"   timeline: {t['window_us_per_step']:.1f} us per step, some kernel running "
+          f"{t['gpu_busy_us_per_step']:.1f}, none {t['gpu_idle_us_per_step']:.1f}")
+    print("   idle gaps per step: " + ", ".join(f"{b['gap']}: {b['per_step']:.0f} ({b['us_per_step']:.1f} us)"
+                                              for b in t["idle_gaps"]))
+    print(f"   main stream: {m['kernels_per_step']:.0f} kernels, {m['kernel_us_per_step']:.1f} us running, "
+          f"{m['waiting_us_per_step']:.1f} us waiting before kernels, {m['overlapped_us_per_step']:.1f} us overlapped")
+    for st, v in t["side_streams"].items():
+        print(f"   side stream {st}: {v['kernels_per_step']:.0f} kernels, {v['kernel_us_per_step']:.1f} us")
+    print("   main stream kernels in launch order (us each: running, lead = start minus the previous one's end):")
+    for r in t["critical_path"]:
+        print(f"     x{r['calls_per_step']:<4.0f} {r['us_each']:7.2f} {r['lead_us_each']:+6.2f}  "
+              f"{r['family']:<10} {r['name'][:60]} {r['grid']}")
+
+
+def profile_decode(engine, concurrency: int, prompt_len: int, steps: int, seed: int = 0,
+                   trace_dir: str | None = None) -> dict:
     from moeserve.engine.sampling_params import SamplingParams
     g = torch.Generator().manual_seed(seed)
     vocab = engine.arch.vocab_size
@@ -58,6 +161,16 @@ def profile_decode(engine, concurrency: int, prompt_len: int, steps: int, seed: 
         wall = time.perf_counter() - t0
     for s in seqs:
         engine.abort_request(s.request_id)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as f:
+            raw = f.read()
+    line = timeline(kernels_from_trace(json.loads(raw)), steps)
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        with gzip.open(os.path.join(trace_dir, f"decode-c{concurrency}.json.gz"), "wb") as f:
+            f.write(raw)
     kernels = defaultdict(lambda: [0, 0.0])
     for evt in prof.key_averages():
         dev_us = getattr(evt, "self_device_time_total", None)
@@ -77,6 +190,7 @@ def profile_decode(engine, concurrency: int, prompt_len: int, steps: int, seed: 
         "families_ms_per_step": {k: v / 1e3 / steps for k, v in sorted(fams.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": n[:120], "calls_per_step": c / steps, "ms_per_step": us / 1e3 / steps}
                         for n, (c, us) in top],
+        "timeline": line,
     }
 
 
@@ -89,6 +203,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--out", help="write the JSON here")
+    p.add_argument("--trace-dir", help="keep each concurrency's profiler trace here (decode-c<N>.json.gz)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("step_profile: needs a CUDA GPU")
@@ -96,7 +211,7 @@ def main(argv=None) -> int:
     engine = LLMEngine(config_from_args(args))
     results = {"engine": engine.describe(), "profiles": []}
     for c in args.concurrency:
-        r = profile_decode(engine, c, args.prompt_len, args.steps)
+        r = profile_decode(engine, c, args.prompt_len, args.steps, trace_dir=args.trace_dir)
         results["profiles"].append(r)
         print(f"\n== decode step at concurrency {c}: wall {r['step_wall_ms']:.3f} ms, GPU kernels "
               f"{r['step_gpu_ms']:.3f} ms ({100 * r['gpu_busy_fraction']:.0f}% busy)")
@@ -104,6 +219,7 @@ def main(argv=None) -> int:
             print(f"   {fam:<11} {ms:8.3f} ms")
         for k in r["top_kernels"][:8]:
             print(f"   {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:<5.0f} {k['name'][:90]}")
+        print_timeline(r["timeline"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
