@@ -6,11 +6,13 @@ and the top kernels, and writes the same as JSON with ``--out``. Compile and war
 profiled window.
 
 It also reads the kernels' timeline (the profiler's trace, which ``--trace-dir`` keeps gzipped): how much of
-a step some kernel is running on the GPU and how much none is, the idle gaps by size, and, on the stream
-that runs most kernels (the step's critical path; the shared expert's side stream runs beside it), each
-kernel's time and the time between its predecessor's end and its start (negative where it started before
-its predecessor ended, as programmatic dependent launch allows; positive where it waited: for a launch, for
-the side stream it joins, or for the host).
+a step some kernel is running on the GPU, how much two or more are (the shared expert beside the routed
+experts; a kernel launched with programmatic dependent launch beside the one it waits for) and how much none
+is, the idle gaps by size, and for each kernel (name and grid, in launch order) its running time, its share
+of the step's busy time (each instant split evenly among the kernels running then) and its lead: the time
+from the end of every kernel started before it to its start (positive: the GPU was idle, waiting for its
+launch or for the host; negative: it overlapped them). Kernels replayed from a CUDA graph are reported on the
+graph's internal streams, so the view does not go by stream.
 """
 from __future__ import annotations
 
@@ -63,10 +65,11 @@ def kernels_from_trace(trace: dict) -> list[tuple[str, int, float, float, str]]:
 
 
 def timeline(kernels: list[tuple[str, int, float, float, str]], steps: int) -> dict:
-    """The critical-path view of ``steps`` decode steps' kernels (see the module's docstring)."""
+    """How ``steps`` decode steps' kernels fill the GPU's time (see the module's docstring)."""
     if not kernels or steps <= 0:
         return {}
-    ivs = sorted((s, s + d) for _, _, s, d, _ in kernels)
+    ks = sorted(kernels, key=lambda k: k[2])
+    ivs = [(s, s + d) for _, _, s, d, _ in ks]
     busy, gaps = 0.0, []
     lo, hi = ivs[0]
     for s, e in ivs[1:]:
@@ -84,59 +87,63 @@ def timeline(kernels: list[tuple[str, int, float, float, str]], steps: int) -> d
         sel = [g for g in gaps if a <= g < b]
         label = f">= {a:g} us" if b == float("inf") else f"{a:g}-{b:g} us"
         buckets.append({"gap": label, "per_step": len(sel) / steps, "us_per_step": sum(sel) / steps})
-    streams: dict[int, list] = defaultdict(list)
-    for k in kernels:
-        streams[k[1]].append(k)
-    main = max(streams, key=lambda st: (len(streams[st]), sum(k[3] for k in streams[st])))
-    rows: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0, 0.0, 0])  # calls, duration, lead, leads
-    prev_end = None
-    for name, _, s, d, grid in streams[main]:
-        r = rows[(name, grid)]
+    # each instant of busy time is shared evenly by the kernels running then: a kernel's share is what the step
+    # would lose without it, were the others unchanged; the shares add up to the busy time
+    share = [0.0] * len(ks)
+    events = sorted([(s, 1, i) for i, (s, _) in enumerate(ivs)] + [(e, 0, i) for i, (_, e) in enumerate(ivs)])
+    running: set[int] = set()
+    last, overlapped = ivs[0][0], 0.0
+    for t, starts, i in events:
+        if running and t > last:
+            for r in running:
+                share[r] += (t - last) / len(running)
+            if len(running) > 1:
+                overlapped += t - last
+        last = t
+        (running.add if starts else running.discard)(i)
+    rows: dict[tuple[str, str], list] = {}  # (name, grid) -> calls, running, share, lead, leads; launch order
+    front = None
+    for i, (name, _, s, d, grid) in enumerate(ks):
+        r = rows.setdefault((name, grid), [0, 0.0, 0.0, 0.0, 0])
         r[0] += 1
         r[1] += d
-        if prev_end is not None:  # the window's first kernel has no predecessor
-            r[2] += s - prev_end
-            r[3] += 1
-        prev_end = s + d
-    main_dur = sum(r[1] for r in rows.values())
-    lead = [r[2] for r in rows.values()]
-    side = {st: ks for st, ks in streams.items() if st != main}
-    table = list(rows.items())  # in the order of their first launch
+        r[2] += share[i]
+        if front is not None:  # the window's first kernel has no predecessor
+            r[3] += s - front
+            r[4] += 1
+        front = s + d if front is None else max(front, s + d)
+    fams: dict[str, float] = defaultdict(float)
+    for (name, _), r in rows.items():
+        fams[family(name)] += r[2] / steps
     return {
         "window_us_per_step": window / steps,
         "gpu_busy_us_per_step": busy / steps,
         "gpu_idle_us_per_step": (window - busy) / steps,
+        "overlapped_us_per_step": overlapped / steps,
         "idle_gaps": buckets,
-        "main_stream": {
-            "kernels_per_step": len(streams[main]) / steps,
-            "kernel_us_per_step": main_dur / steps,
-            "waiting_us_per_step": sum(x for x in lead if x > 0) / steps,
-            "overlapped_us_per_step": -sum(x for x in lead if x < 0) / steps,
-        },
-        "side_streams": {str(st): {"kernels_per_step": len(ks) / steps,
-                                   "kernel_us_per_step": sum(k[3] for k in ks) / steps} for st, ks in side.items()},
-        "critical_path": [{"name": name[:120], "grid": grid, "family": family(name), "calls_per_step": c / steps,
-                           "us_each": d / c, "lead_us_each": ld / n if n else 0.0}
-                          for (name, grid), (c, d, ld, n) in table],
+        "streams": len({k[1] for k in ks}),
+        "share_by_family_us_per_step": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
+        "kernels": [{"name": name[:120], "grid": grid, "family": family(name), "calls_per_step": c / steps,
+                     "us_each": d / c, "share_us_each": sh / c, "lead_us_each": ld / n if n else 0.0}
+                    for (name, grid), (c, d, sh, ld, n) in rows.items()],
     }
 
 
 def print_timeline(t: dict) -> None:
     if not t:
         return
-    m = t["main_stream"]
-    print(f"   timeline: {t['window_us_per_step']:.1f} us per step, some kernel running "
-          f"{t['gpu_busy_us_per_step']:.1f}, none {t['gpu_idle_us_per_step']:.1f}")
+    print(f"   timeline: {t['window_us_per_step']:.1f} us per step: some kernel running "
+          f"{t['gpu_busy_us_per_step']:.1f} (two or more {t['overlapped_us_per_step']:.1f}), none "
+          f"{t['gpu_idle_us_per_step']:.1f}")
     print("   idle gaps per step: " + ", ".join(f"{b['gap']}: {b['per_step']:.0f} ({b['us_per_step']:.1f} us)"
                                               for b in t["idle_gaps"]))
-    print(f"   main stream: {m['kernels_per_step']:.0f} kernels, {m['kernel_us_per_step']:.1f} us running, "
-          f"{m['waiting_us_per_step']:.1f} us waiting before kernels, {m['overlapped_us_per_step']:.1f} us overlapped")
-    for st, v in t["side_streams"].items():
-        print(f"   side stream {st}: {v['kernels_per_step']:.0f} kernels, {v['kernel_us_per_step']:.1f} us")
-    print("   main stream kernels in launch order (us each: running, lead = start minus the previous one's end):")
-    for r in t["critical_path"]:
-        print(f"     x{r['calls_per_step']:<4.0f} {r['us_each']:7.2f} {r['lead_us_each']:+6.2f}  "
-              f"{r['family']:<10} {r['name'][:60]} {r['grid']}")
+    print("   busy time by family (each instant shared by the kernels running): " + ", ".join(
+        f"{k} {v:.1f}" for k, v in t["share_by_family_us_per_step"].items()) + " us")
+    print("   kernels in launch order: calls per step, us each running, us each of the step's busy time, lead (us from"
+          " the end of every earlier kernel to its start; negative: it overlapped them)")
+    for r in t["kernels"]:
+        print(f"     x{r['calls_per_step']:<4.0f} {r['us_each']:7.2f} {r['share_us_each']:7.2f} "
+              f"{r['lead_us_each']:+8.2f}  {r['family']:<10} {r['name'][:56]} {r['grid']}")
 
 
 def profile_decode(engine, concurrency: int, prompt_len: int, steps: int, seed: int = 0,

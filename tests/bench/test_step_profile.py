@@ -32,24 +32,33 @@ def test_timeline_splits_a_step_into_running_waiting_and_overlapped_time():
     assert t["window_us_per_step"] == pytest.approx(40.0)
     assert t["gpu_busy_us_per_step"] == pytest.approx(28.0)
     assert t["gpu_idle_us_per_step"] == pytest.approx(12.0)
+    assert t["streams"] == 2
+    # two or more kernels at once: 13-19 norm and shared_mlp, 19-20 all three, 20-25 shared_mlp and moe
+    assert t["overlapped_us_per_step"] == pytest.approx(12.0)
     gaps = {b["gap"]: (b["per_step"], b["us_per_step"]) for b in t["idle_gaps"]}
     assert gaps["1-3 us"] == (1.0, 2.0) and gaps[">= 10 us"] == (0.5, 10.0) and gaps["0-1 us"] == (0.0, 0.0)
-    m = t["main_stream"]
-    assert m["kernels_per_step"] == 3 and m["kernel_us_per_step"] == pytest.approx(29.0)
-    # leads: norm +2 (twice), moe -1 (twice), gemv of the second step +20 (after the first step's moe)
-    assert m["waiting_us_per_step"] == pytest.approx((2 + 2 + 20) / 2)
-    assert m["overlapped_us_per_step"] == pytest.approx(1.0)
-    assert t["side_streams"] == {"13": {"kernels_per_step": 1.0, "kernel_us_per_step": 12.0}}
-    rows = [(r["name"], r["grid"], r["us_each"], r["lead_us_each"]) for r in t["critical_path"]]
-    assert rows == [("gemv", "[1, 1, 1]", 10.0, 20.0), ("norm", "[1, 1, 1]", 8.0, 2.0),
-                    ("moe", "[4, 2, 1]", 11.0, -1.0)]
+    rows = {r["name"]: r for r in t["kernels"]}
+    assert list(rows) == ["gemv", "norm", "shared_mlp", "moe"]  # launch order
+    # shares: gemv alone 10; norm alone 12-13 (1), with shared 13-19 (3), with both 19-20 (1/3): 4.33;
+    # shared: 3 + 1/3 + (20-25)/2 = 5.83; moe: 1/3 + 2.5 + 25-30 alone (5) = 7.83; they add up to the busy time
+    assert rows["gemv"]["share_us_each"] == pytest.approx(10.0)
+    assert rows["norm"]["share_us_each"] == pytest.approx(1 + 3 + 1 / 3)
+    assert rows["shared_mlp"]["share_us_each"] == pytest.approx(3 + 1 / 3 + 2.5)
+    assert rows["moe"]["share_us_each"] == pytest.approx(1 / 3 + 2.5 + 5)
+    assert sum(r["share_us_each"] * r["calls_per_step"] for r in t["kernels"]) == pytest.approx(28.0)
+    # leads: norm +2; shared_mlp started 7 us before norm ended; moe 6 us before shared_mlp ended; the second
+    # step's gemv 20 us after the first step's last kernel (the only lead the window's first gemv has)
+    assert [rows[n]["lead_us_each"] for n in ("gemv", "norm", "shared_mlp", "moe")] == pytest.approx([20, 2, -7, -6])
+    assert rows["moe"]["grid"] == "[4, 2, 1]" and rows["moe"]["us_each"] == 11.0 and rows["moe"]["family"] == "moe"
+    fams = t["share_by_family_us_per_step"]
+    assert fams["gemm"] == pytest.approx(10.0) and sum(fams.values()) == pytest.approx(28.0)
 
 
 def test_kernels_with_one_name_and_different_grids_are_told_apart():
     trace = {"traceEvents": [_kernel("fused_moe_kernel", 7, 0, 5, grid=(176, 1, 1)),
                              _kernel("fused_moe_kernel", 7, 6, 3, grid=(128, 1, 1))]}
     t = timeline(kernels_from_trace(trace), steps=1)
-    assert [(r["grid"], r["us_each"]) for r in t["critical_path"]] == [("[176, 1, 1]", 5.0), ("[128, 1, 1]", 3.0)]
+    assert [(r["grid"], r["us_each"]) for r in t["kernels"]] == [("[176, 1, 1]", 5.0), ("[128, 1, 1]", 3.0)]
 
 
 def test_a_cpu_only_profiler_trace_has_no_kernels(tmp_path):

@@ -56,6 +56,9 @@ def test_dry_run_lists_the_triton_kernels_of_the_bench_configuration():
     # the triton linear backend's GEMV (auto on a GPU, one-token steps): qkv_proj carries a bias, the shared
     # expert's down projection K=5632 takes the long-row tile
     assert "_gemv_kernel" in text and "HAS_BIAS=True" in text and "BLOCK_K=1024" in text
+    # and the shared expert's gate/up projection with the SwiGLU activation in its epilogue (linear_gemv_swiglu)
+    swiglu = [line for line in text.splitlines() if "_gemv_swiglu_kernel" in line]
+    assert len(swiglu) == 1 and "BLOCK_N=16 BLOCK_K=256" in swiglu[0] and "PDL=True" in swiglu[0], swiglu
 
 
 def test_built_kernels_serve_every_launch_from_disk_after_the_cache_moves(tmp_path):
