@@ -178,7 +178,7 @@ class TritonLinear(LinearBackend):
     name = "triton"
 
     def __init__(self, device: torch.device, dtype: torch.dtype, max_tokens: int = 1,  # linear_gemv_max_tokens
-                 swiglu: bool = True):  # linear_gemv_swiglu
+                 swiglu: bool = False):  # linear_gemv_swiglu
         super().__init__(device, dtype)
         self.max_tokens = min(max_tokens, GEMV_MAX_ROWS)
         self.swiglu = swiglu

@@ -147,7 +147,7 @@ def test_mlp_takes_the_fused_gate_up_only_where_the_backend_has_it():
     assert Fused.calls == 1
     torch.testing.assert_close(outs["fused"][0], plain + mlp.down_proj.weight.sum(dim=1))
     bf = torch.bfloat16
-    on, off = TritonLinear(torch.device("cpu"), bf, max_tokens=1), TritonLinear(torch.device("cpu"), bf, swiglu=False)
+    on, off = TritonLinear(torch.device("cpu"), bf, swiglu=True), TritonLinear(torch.device("cpu"), bf)
     assert on.takes_swiglu_shape(1, 11264, bf, bf) and not on.takes_swiglu_shape(2, 11264, bf, bf)
     assert not on.takes_swiglu_shape(1, 11263, bf, bf) and not off.takes_swiglu_shape(1, 11264, bf, bf)
     assert on.linear_swiglu(torch.randn(1, 16).to(bf), torch.randn(512, 16).to(bf)) is None  # not on CUDA
@@ -261,7 +261,7 @@ def test_gemv_swiglu_backend_in_a_cuda_graph():
     on new inputs as it runs eagerly, bitwise; two-row steps are left to the linear and the activation."""
     from moeserve.ops import pdl
     from moeserve.ops.linear_triton import TritonLinear
-    lin = TritonLinear(torch.device("cuda"), torch.bfloat16, max_tokens=1)
+    lin = TritonLinear(torch.device("cuda"), torch.bfloat16, max_tokens=1, swiglu=True)
     gen = torch.Generator(device="cuda").manual_seed(SEED)
     w = (torch.randn(11264, 2048, generator=gen, device="cuda") / 2048 ** 0.5).bfloat16()
     x = torch.randn(1, 2048, generator=gen, device="cuda").bfloat16()
