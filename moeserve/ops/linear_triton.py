@@ -124,7 +124,7 @@ def gemv_swiglu_config(i: int, k: int) -> dict:
     row blocks), not tuned on their own."""
     if k >= 4096:
         return {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "num_stages": 4}
-    return {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -70,7 +70,7 @@ def test_the_swiglu_gemv_is_listed_where_the_plan_runs_it(tmp_path):
     on = listed(linear_gemv_swiglu=True)
     assert len(on) == 1, on
     c = on[0]["constants"]
-    assert (c["BLOCK_N"], c["BLOCK_K"], c["PDL"]) == ("16", "256", "True"), c
+    assert (c["BLOCK_N"], c["BLOCK_K"], c["PDL"]) == ("32", "128", "True"), c
     assert listed() == []
 
 
