@@ -259,11 +259,6 @@ class EngineConfig(_Strict):
     linear_gemv_max_tokens: int = Field(
         1, ge=0, le=16, description="with backends.linear: triton, steps of at most this many tokens run moeserve's "
         "Triton GEMV instead of cuBLAS (on an H200 it was faster at one token, slower at two); 0 always runs cuBLAS")
-    linear_gemv_swiglu: bool = Field(
-        False, description="with the Triton GEMV (linear_gemv_max_tokens), a SwiGLU MLP's gate/up projection (a "
-        "shared expert's, a dense layer's) writes silu(gate) * up from its epilogue: the activation's launch and "
-        "the gate/up output fewer per MLP (Qwen1.5-MoE on an H200: 12.9 percent slower at c=1, the shared "
-        "expert's and the routed experts' down projections beside it slower too)")
     generation_config: str = Field(
         "auto", description="request defaults (temperature, top_p, top_k, min_p): auto reads the model "
         "directory's generation_config.json, vllm uses none, a directory reads that one's")

@@ -130,8 +130,7 @@ class RuntimePlan:
         return {"kernels": moe or routing or gemv > 0 or qkv, "moe": moe,
                 "routing": m.routing.method if routing else None, "fused_qkv": qkv,
                 "decode_max_tokens": self.triton_decode_max_tokens,
-                "gemv_max_tokens": gemv, "gemv_swiglu": gemv > 0 and self.config.linear_gemv_swiglu,
-                "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
+                "gemv_max_tokens": gemv, "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
                 "fuse_shared_expert": self.config.moe_fuse_shared_expert,
                 "fuse_norm": moe and self.moe_fuse_norm,
                 "router_fuse_norm": (bool(routing) and self.config.router_split_k_max_tokens > 0

@@ -1,10 +1,7 @@
 """The dense linears of a model at decode batch sizes: cuBLAS (``F.linear``) against moeserve's Triton GEMV, each
 checked against a float32 reference and timed with the L2 cache flushed between calls (a decode step reads
 every weight once, from HBM). With ``--sweep`` the GEMV runs every tile configuration of a small grid and the
-best is reported beside the built-in one (``moeserve.ops.linear_triton.gemv_config``). A SwiGLU MLP's gate/up
-projection is also timed as ``gemv_swiglu`` (the activation in its epilogue; ``linear_gemv_swiglu``), against
-the plain GEMV of the same weight (which still leaves the activation kernel to run), and with ``--sweep`` over
-its own tile grid.
+best is reported beside the built-in one (``moeserve.ops.linear_triton.gemv_config``).
 
     python -m moeserve.bench.gemv --model qwen1.5-moe-a2.7b --rows 1 2 4 8 --out gemv.json [--sweep]
 """
@@ -19,18 +16,6 @@ import torch.nn.functional as F
 
 TOL = 2e-2  # bf16 output of a float32-accumulated dot product over K <= 8192, against float32
 SWEEP = {"BLOCK_N": (16, 32), "BLOCK_K": (256, 512, 1024), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
-SWIGLU_SWEEP = {"BLOCK_N": (16, 32), "BLOCK_K": (128, 256, 512), "num_warps": (2, 4, 8), "num_stages": (2, 3, 4)}
-
-
-def _sweep(fn, grid: dict) -> list[tuple[float, dict]]:
-    timed = []
-    for c in (dict(zip(grid, v)) for v in itertools.product(*grid.values())):
-        try:
-            timed.append((time_us(lambda c=c: fn(c), reps=25), c))
-        except Exception as e:  # noqa: BLE001 - a tile that does not fit (shared memory) is skipped
-            if "OutOfResources" not in type(e).__name__:
-                raise
-    return sorted(timed, key=lambda r: r[0])
 
 
 def model_linears(model: str) -> list[tuple[str, int, int, bool]]:
@@ -67,11 +52,12 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("moeserve.bench.gemv: needs a CUDA GPU")
         return 2
-    from moeserve.ops.linear_triton import gemv, gemv_config, gemv_swiglu
+    from moeserve.ops.linear_triton import gemv, gemv_config
     dtype = getattr(torch, args.dtype)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
+    configs = [dict(zip(SWEEP, v)) for v in itertools.product(*SWEEP.values())] if args.sweep else []
     for name, n, k, has_bias in model_linears(args.model):
         w = (torch.randn(n, k, device=dev, generator=gen) * 0.02).to(dtype)
         b = (torch.randn(n, device=dev, generator=gen) * 0.02).to(dtype) if has_bias else None
@@ -91,31 +77,20 @@ def main(argv=None) -> int:
                    "rel_err": round(err, 5)}
             print(f"{name:15s} N={n:6d} K={k:5d} M={m:2d}: cuBLAS {t_cublas:7.2f} us ({row['cublas_TBps']:.2f} TB/s)"
                   f"  gemv {t_gemv:7.2f} us ({row['gemv_TBps']:.2f} TB/s)", flush=True)
-            if args.sweep and name not in ("lm_head", "router"):
-                timed = _sweep(lambda c: gemv(x, w, b, c), SWEEP)
+            if configs and name not in ("lm_head", "router"):
+                timed = []
+                for c in configs:
+                    try:
+                        timed.append((time_us(lambda c=c: gemv(x, w, b, c), reps=25), c))
+                    except Exception as e:  # noqa: BLE001 - a tile that does not fit (shared memory) is skipped
+                        if "OutOfResources" not in type(e).__name__:
+                            raise
+                timed.sort(key=lambda r: r[0])
                 best = timed[0]
                 row.update(best_us=round(best[0], 2), best_TBps=round(nbytes / best[0] / 1e6, 2), best_config=best[1],
                            top5=[(round(t, 2), c) for t, c in timed[:5]])
                 print(f"    best {best[0]:7.2f} us ({row['best_TBps']:.2f} TB/s) {best[1]}; next "
                       + "; ".join(f"{t:.2f} {c}" for t, c in timed[1:4]), flush=True)
-            if name.endswith("gate_up") and m <= 16:
-                i = n // 2
-                g, u = ref[:, :i].to(dtype).float(), ref[:, i:].to(dtype).float()
-                want = F.silu(g) * u
-                got = gemv_swiglu(x, w).float()
-                err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
-                if err > TOL:
-                    raise SystemExit(f"{name} M={m}: SwiGLU GEMV differs from the reference by {err:.3g} (> {TOL})")
-                t_sw = time_us(lambda: gemv_swiglu(x, w))
-                row.update(swiglu_us=round(t_sw, 2), swiglu_TBps=round(nbytes / t_sw / 1e6, 2))
-                print(f"    gemv_swiglu {t_sw:7.2f} us ({row['swiglu_TBps']:.2f} TB/s) against the GEMV's "
-                      f"{t_gemv:.2f} (before the activation)", flush=True)
-                if args.sweep:
-                    timed = _sweep(lambda c: gemv_swiglu(x, w, c), SWIGLU_SWEEP)
-                    row.update(swiglu_best_us=round(timed[0][0], 2), swiglu_best_config=timed[0][1],
-                               swiglu_top5=[(round(t, 2), c) for t, c in timed[:5]])
-                    print(f"    gemv_swiglu best {timed[0][0]:7.2f} us {timed[0][1]}; next "
-                          + "; ".join(f"{t:.2f} {c}" for t, c in timed[1:4]), flush=True)
             rows.append(row)
     if args.out:
         with open(args.out, "w") as f:

@@ -135,9 +135,8 @@ class ModelRunner:
     @property
     def fusions(self) -> list[str]:
         """The kernels that do more than their operator's backend says (for reports): the attention's QKV
-        kernel (q/k norms, rotary embedding, KV append), the SwiGLU activation inside the expert GEMM, the
-        router's GEMM as partial sums the routing kernel adds (small steps) and the SwiGLU activation inside a
-        dense or shared-expert MLP's gate/up GEMV (one-token steps)."""
+        kernel (q/k norms, rotary embedding, KV append), the SwiGLU activation inside the expert GEMM and the
+        router's GEMM as partial sums the routing kernel adds (small steps)."""
         out = []
         if self.ops.attention is not None and self.ops.attention.fuse_qkv:
             out.append("qkv-norm-rope-append")
@@ -146,9 +145,6 @@ class ModelRunner:
             out.append("swiglu-in-expert-gemm")
         if any(b.router_gemm_split(1) for b in blocks):
             out.append("router-gemm-split-k")
-        lin = self.ops.linear
-        if getattr(lin, "swiglu", False) and getattr(lin, "max_tokens", 0) > 0 and self.model.has_swiglu_mlp():
-            out.append("swiglu-in-gate-up-gemv")
         return out
 
     def _phase(self, name: str, since: float) -> float:
@@ -165,7 +161,6 @@ class ModelRunner:
         linear, moe = cls("linear")(dev, dtype), cls("moe")(dev, dtype)
         if linear.name == "triton":
             linear.max_tokens = self.cfg.linear_gemv_max_tokens
-            linear.swiglu = self.cfg.linear_gemv_swiglu
         if moe.name == "triton":
             moe.pairwise_max_tokens = self.cfg.moe_pairwise_max_tokens
         routing = cls("routing")(dev, explicit=plan.explicit("routing"))

@@ -101,12 +101,7 @@ class DenseMLP(nn.Module):
         self.down_proj = Linear(ops, intermediate, hidden, False, dtype, device, quantize=True, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = None
-        if self.gate_up_proj.weight_scale_inv is None:  # the linear backend's gate/up GEMV with SwiGLU, if any
-            h = self.ops.linear.linear_swiglu(x, self.gate_up_proj.weight)
-        if h is None:
-            h = self.ops.activation.silu_and_mul(self.gate_up_proj(x))
-        return self.down_proj(h)
+        return self.down_proj(self.ops.activation.silu_and_mul(self.gate_up_proj(x)))
 
     def entries(self, prefix: str) -> dict[str, Entry]:
         w, i, sc = self.gate_up_proj.weight, self.intermediate, self.gate_up_proj.weight_scale_inv
@@ -475,7 +470,3 @@ class MoECausalLM(nn.Module):
     def moe_blocks(self) -> list[SparseMoE]:
         blocks = [getattr(layer.mlp, "_orig_mod", layer.mlp) for layer in self.layers]
         return [b for b in blocks if isinstance(b, SparseMoE)]
-
-    def has_swiglu_mlp(self) -> bool:
-        """Whether a dense or shared-expert MLP with an unquantised gate/up projection is left (for reports)."""
-        return any(isinstance(m, DenseMLP) and m.gate_up_proj.weight_scale_inv is None for m in self.modules())

@@ -113,12 +113,6 @@ class LinearBackend(ABC):
                    bias: torch.Tensor | None = None) -> torch.Tensor:
         """e4m3 ``weight`` with float32 128x128 block scales."""
 
-    def linear_swiglu(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-        """A SwiGLU MLP's ``silu(x W_gate^T) * (x W_up^T)`` from its merged ``[2I, K]`` gate/up weight (gate rows
-        first) in one kernel, or None where this backend has no such kernel for this step (the MLP then runs
-        :meth:`linear` and the activation backend)."""
-        return None
-
 
 class SamplingBackend(ABC):
     """Picks one token per row of float32 logits ``[B, V]`` (``moeserve.ops.sampling.SamplingBatch``).

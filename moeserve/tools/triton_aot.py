@@ -225,19 +225,16 @@ def meta_moe_layer(plan, device: torch.device | None = None):
     return layer
 
 
-def meta_linear_shapes(plan, swiglu: bool = False) -> list[tuple]:
+def meta_linear_shapes(plan) -> list[tuple[int, int, bool, torch.dtype]]:
     """``(N, K, bias, dtype)`` of every distinct linear of the model (built on ``meta``) that runs through the
-    linear backend; with ``swiglu``, ``(N, K, dtype)`` of the SwiGLU MLPs' gate/up projections instead."""
+    linear backend."""
     from moeserve.models.base import Linear
-    from moeserve.models.layers import DenseMLP, MoECausalLM
+    from moeserve.models.layers import MoECausalLM
     from moeserve.ops.moe.torch_ref import TorchMoE
     meta, dtype = torch.device("meta"), plan.dtype
     shapes = set()
     for mod in MoECausalLM(plan.arch, _meta_ops(plan, TorchMoE(meta, dtype)), dtype, meta).modules():
-        if swiglu and isinstance(mod, DenseMLP) and mod.gate_up_proj.weight_scale_inv is None:
-            n, k = mod.gate_up_proj.weight.shape
-            shapes.add((n, k, mod.gate_up_proj.weight.dtype))
-        elif not swiglu and isinstance(mod, Linear) and mod.weight_scale_inv is None:
+        if isinstance(mod, Linear) and mod.weight_scale_inv is None:
             n, k = mod.weight.shape
             shapes.add((n, k, mod.bias is not None, mod.weight.dtype))
     return sorted(shapes, key=str)
@@ -314,19 +311,14 @@ def launch_every_kernel(plan, on_step=None) -> None:
                 layer.after_attention(x, torch.empty_like(x), norm_w, plan.arch.rms_norm_eps, norm_w)  # as the model
         on_step(None)
         if fp["gemv_max_tokens"]:
-            from moeserve.ops.linear_triton import TritonLinear, gemv, gemv_swiglu
-            lin = TritonLinear(meta, plan.dtype, max_tokens=fp["gemv_max_tokens"], swiglu=fp["gemv_swiglu"])
+            from moeserve.ops.linear_triton import TritonLinear, gemv
+            lin = TritonLinear(meta, plan.dtype, max_tokens=fp["gemv_max_tokens"])
             for n, k, bias, wdtype in meta_linear_shapes(plan):
                 for rows in range(1, lin.max_tokens + 1):
                     if lin.takes_shape(rows, n, plan.dtype, wdtype):
                         gemv(torch.empty((rows, k), dtype=plan.dtype, device=meta),
                              torch.empty((n, k), dtype=wdtype, device=meta),
                              torch.empty((n,), dtype=wdtype, device=meta) if bias else None)
-            for n, k, wdtype in meta_linear_shapes(plan, swiglu=True):
-                for rows in range(1, lin.max_tokens + 1):
-                    if lin.takes_swiglu_shape(rows, n, plan.dtype, wdtype):
-                        gemv_swiglu(torch.empty((rows, k), dtype=plan.dtype, device=meta),
-                                    torch.empty((n, k), dtype=wdtype, device=meta))
 
 
 def list_kernels(plan, capability: tuple[int, int], device_name: str, scratch: Path) -> list[dict]:

@@ -146,12 +146,8 @@ def test_reports_name_the_fused_kernels(llm):
     from moeserve.engine.runner import ModelRunner
     assert llm.engine.describe()["fusions"] == [] and llm.engine.describe()["pdl_max_tokens"] == 0
     block = NS(w13_order="interleaved", router_gemm_split=lambda tokens: tokens <= 64)
-    gemv = NS(swiglu=True, max_tokens=1)
-    fused = NS(ops=NS(attention=NS(fuse_qkv=True), linear=gemv),
-               model=NS(moe_blocks=lambda: [block], has_swiglu_mlp=lambda: True))
-    assert ModelRunner.fusions.fget(fused) == ["qkv-norm-rope-append", "swiglu-in-expert-gemm", "router-gemm-split-k",
-                                               "swiglu-in-gate-up-gemv"]
+    fused = NS(ops=NS(attention=NS(fuse_qkv=True)), model=NS(moe_blocks=lambda: [block]))
+    assert ModelRunner.fusions.fget(fused) == ["qkv-norm-rope-append", "swiglu-in-expert-gemm", "router-gemm-split-k"]
     block = NS(w13_order="gate_up", router_gemm_split=lambda tokens: False)
-    plain = NS(ops=NS(attention=NS(fuse_qkv=False), linear=NS(swiglu=True, max_tokens=0)),
-               model=NS(moe_blocks=lambda: [block], has_swiglu_mlp=lambda: True))
+    plain = NS(ops=NS(attention=NS(fuse_qkv=False)), model=NS(moe_blocks=lambda: [block]))
     assert ModelRunner.fusions.fget(plain) == []

@@ -1,11 +1,9 @@
-"""Tests of the Triton GEMV behind the ``triton`` linear backend (steps of few tokens) and of its SwiGLU form
-(a gate/up projection that writes ``silu(gate) * up``).
+"""Tests of the Triton GEMV behind the ``triton`` linear backend (steps of few tokens).
 
-CPU: the kernels under Triton's interpreter (one subprocess) against a float64 ``x @ W^T + b`` and
-``silu(x W_g^T) * (x W_u^T)``, on odd shapes (N not a multiple of the tile, K not a multiple of BLOCK_K, 1 to
-16 rows). GPU (``-m gpu``): bf16 and fp16 on the Qwen1.5-MoE linears against float32, inside a CUDA graph,
-and the backend's choice between the GEMV and cuBLAS. Inputs are fresh random each run; the seed is in failure
-messages (``MOESERVE_TEST_SEED``).
+CPU: the kernel under Triton's interpreter (one subprocess) against a float64 ``x @ W^T + b``, on odd shapes
+(N not a multiple of the tile, K not a multiple of BLOCK_K, 1 to 16 rows). GPU (``-m gpu``): bf16 and fp16
+on the Qwen1.5-MoE linears against float32, inside a CUDA graph, and the backend's choice between the GEMV
+and cuBLAS. Inputs are fresh random each run; the seed is in failure messages (``MOESERVE_TEST_SEED``).
 """
 from __future__ import annotations
 
@@ -31,31 +29,13 @@ CPU_CASES = {
     "M16-fp16": (16, 48, 128, True, torch.float16, {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}),
     "M0": (0, 16, 64, False, torch.float32, None),
 }
-# name: (M, I, K, dtype, config) of gemv_swiglu (a [2I, K] gate/up weight)
-SWIGLU_CPU_CASES = {
-    "swiglu-M1-oddI": (1, 40, 96, torch.float32, {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}),
-    "swiglu-M5-oddK": (5, 24, 100, torch.float32, {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}),
-    "swiglu-M16-fp16": (16, 48, 128, torch.float16,
-                        {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}),
-}
 
 
 def _worker(in_path: str, out_path: str) -> None:
     patch_for_numpy()
-    from moeserve.ops.linear_triton import gemv, gemv_swiglu
+    from moeserve.ops.linear_triton import gemv
     inputs = torch.load(in_path)
-    torch.save({name: gemv_swiglu(x, w, cfg) if name.startswith("swiglu") else gemv(x, w, b, cfg)
-                for name, (x, w, b, cfg) in inputs.items()}, out_path)
-
-
-def swiglu_reference(x: torch.Tensor, w: torch.Tensor, round_to: torch.dtype | None = None) -> torch.Tensor:
-    """``silu(x W_g^T) * (x W_u^T)`` in float64 (the gate and up sums rounded to ``round_to`` first, as the
-    GEMV then the activation kernel round them)."""
-    i = w.shape[0] // 2
-    g, u = F.linear(x.double(), w[:i].double()), F.linear(x.double(), w[i:].double())
-    if round_to is not None:
-        g, u = g.to(round_to).double(), u.to(round_to).double()
-    return F.silu(g) * u
+    torch.save({name: gemv(x, w, b, cfg) for name, (x, w, b, cfg) in inputs.items()}, out_path)
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +47,6 @@ def interpreted(tmp_path_factory):
         w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
         b = torch.randn(n, generator=gen).to(dtype) if bias else None
         inputs[name] = (x, w, b, cfg)
-    for name, (m, i, k, dtype, cfg) in SWIGLU_CPU_CASES.items():
-        x = torch.randn(m, k, generator=gen).to(dtype)
-        inputs[name] = (x, (torch.randn(2 * i, k, generator=gen) / k ** 0.5).to(dtype), None, cfg)
     return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("gemv"), SEED)
 
 
@@ -85,72 +62,6 @@ def test_gemv_interpreter(interpreted, name):
     elif ref.numel():
         err = float((y.double() - ref).abs().max() / ref.abs().max())
         assert err < HALF_REL_TOL, f"seed {SEED}: max relative error {err:.3g}"
-
-
-@pytest.mark.parametrize("name", list(SWIGLU_CPU_CASES))
-def test_gemv_swiglu_interpreter(interpreted, name):
-    inputs, outputs = interpreted
-    x, w, _, _ = inputs[name]
-    y = outputs[name]
-    ref = swiglu_reference(x, w, None if x.dtype == torch.float32 else x.dtype)
-    assert y.shape == (x.shape[0], w.shape[0] // 2) and y.dtype == x.dtype
-    if x.dtype == torch.float32:
-        torch.testing.assert_close(y.double(), ref, rtol=FP32_RTOL, atol=FP32_ATOL, msg=lambda m: f"seed {SEED}: {m}")
-    else:
-        err = float((y.double() - ref).abs().max() / ref.abs().max())
-        assert err < HALF_REL_TOL, f"seed {SEED}: max relative error {err:.3g}"
-
-
-def test_gemv_swiglu_refuses_odd_weights_and_too_many_rows():
-    from moeserve.ops.linear_triton import GEMV_MAX_ROWS, gemv_swiglu
-    with pytest.raises(ValueError, match="odd number of rows"):
-        gemv_swiglu(torch.zeros(1, 8), torch.zeros(5, 8))
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        gemv_swiglu(torch.zeros(GEMV_MAX_ROWS + 1, 8), torch.zeros(4, 8))
-
-
-def test_mlp_takes_the_fused_gate_up_only_where_the_backend_has_it():
-    """A dense MLP runs the backend's SwiGLU GEMV where it returns one, else the linear and the activation; the
-    Triton backend takes it only for small half-precision CUDA steps with ``swiglu`` on."""
-    from types import SimpleNamespace
-
-    from moeserve.models.layers import DenseMLP
-    from moeserve.ops.linear import TorchLinear
-    from moeserve.ops.linear_triton import TritonLinear
-
-    class Fused(TorchLinear):
-        calls = 0
-
-        def linear_swiglu(self, x, weight):
-            Fused.calls += 1
-            i = weight.shape[0] // 2
-            return F.silu(F.linear(x, weight[:i])) * F.linear(x, weight[i:]) + 1.0  # +1: told apart below
-
-    class Act:
-        @staticmethod
-        def silu_and_mul(h):
-            g, u = h.chunk(2, dim=-1)
-            return F.silu(g) * u
-
-    par = SimpleNamespace(tp_size=1, is_parallel=False)
-    gen = torch.Generator().manual_seed(SEED)
-    x = torch.randn(3, 16, generator=gen)
-    outs = {}
-    for name, lin in (("plain", TorchLinear(torch.device("cpu"), torch.float32)),
-                      ("fused", Fused(torch.device("cpu"), torch.float32))):
-        ops = SimpleNamespace(linear=lin, activation=Act(), parallel=par, quantization=None)
-        mlp = DenseMLP(ops, 16, 8, torch.float32, torch.device("cpu"))
-        torch.nn.init.normal_(mlp.gate_up_proj.weight, generator=torch.Generator().manual_seed(SEED))
-        torch.nn.init.normal_(mlp.down_proj.weight, generator=torch.Generator().manual_seed(SEED + 1))
-        outs[name] = (mlp(x), mlp)
-    plain, mlp = outs["plain"]
-    assert Fused.calls == 1
-    torch.testing.assert_close(outs["fused"][0], plain + mlp.down_proj.weight.sum(dim=1))
-    bf = torch.bfloat16
-    on, off = TritonLinear(torch.device("cpu"), bf, swiglu=True), TritonLinear(torch.device("cpu"), bf)
-    assert on.takes_swiglu_shape(1, 11264, bf, bf) and not on.takes_swiglu_shape(2, 11264, bf, bf)
-    assert not on.takes_swiglu_shape(1, 11263, bf, bf) and not off.takes_swiglu_shape(1, 11264, bf, bf)
-    assert on.linear_swiglu(torch.randn(1, 16).to(bf), torch.randn(512, 16).to(bf)) is None  # not on CUDA
 
 
 def test_gemv_refuses_more_rows_than_one_tile():
@@ -229,58 +140,6 @@ def test_gemv_backend_in_a_cuda_graph(m):
         torch.testing.assert_close(out, lin.linear(x, w, b), rtol=0, atol=0)
         ref = F.linear(x.float(), w.float(), b.float())
         assert float((out.float() - ref).abs().max() / ref.abs().max()) < HALF_REL_TOL
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("i,k", [(5632, 2048), (1408, 2048), (768, 4096)])  # shared experts; a wider hidden size
-def test_gemv_swiglu_gpu_against_float32(i, k, dtype):
-    """The SwiGLU GEMV against float32 gate and up sums rounded to the dtype (as the GEMV then the activation
-    kernel round them), for 1 to 16 rows; one bf16/fp16 rounding of the product, relative to the largest."""
-    from moeserve.ops.linear_triton import gemv, gemv_swiglu
-    gen = torch.Generator(device="cuda").manual_seed(SEED)
-    w = (torch.randn(2 * i, k, generator=gen, device="cuda") / k ** 0.5).to(dtype)
-    for m in (1, 3, 16):
-        x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
-        y = gemv_swiglu(x, w)
-        ref = swiglu_reference(x, w, dtype)
-        err = float((y.double() - ref).abs().max() / ref.abs().max())
-        assert y.dtype == dtype and y.shape == (m, i), y.shape
-        assert err < HALF_REL_TOL, f"seed {SEED}: I={i} K={k} M={m}: max relative error {err:.3g}"
-        h = gemv(x, w)  # the unfused path: the GEMV, then the activation on its rounded output
-        unfused = F.silu(h[:, :i].float()) * h[:, i:].float()
-        err = float((y.float() - unfused).abs().max() / unfused.abs().max())
-        assert err < HALF_REL_TOL, f"seed {SEED}: against the GEMV and the activation: {err:.3g}"
-
-
-@gpu
-@needs_cuda
-def test_gemv_swiglu_backend_in_a_cuda_graph():
-    """The backend's SwiGLU GEMV inside a captured graph (launched with PDL where the step allows it) replays
-    on new inputs as it runs eagerly, bitwise; two-row steps are left to the linear and the activation."""
-    from moeserve.ops import pdl
-    from moeserve.ops.linear_triton import TritonLinear
-    lin = TritonLinear(torch.device("cuda"), torch.bfloat16, max_tokens=1, swiglu=True)
-    gen = torch.Generator(device="cuda").manual_seed(SEED)
-    w = (torch.randn(11264, 2048, generator=gen, device="cuda") / 2048 ** 0.5).bfloat16()
-    x = torch.randn(1, 2048, generator=gen, device="cuda").bfloat16()
-    assert lin.linear_swiglu(torch.randn(2, 2048, device="cuda").bfloat16(), w) is None
-    with pdl.enabled_as(64):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            lin.linear_swiglu(x, w)  # compile outside the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=s):
-                out = lin.linear_swiglu(x, w)
-        torch.cuda.current_stream().wait_stream(s)
-        for _ in range(3):
-            x.copy_(torch.randn(1, 2048, generator=gen, device="cuda").bfloat16())
-            graph.replay()
-            torch.testing.assert_close(out, lin.linear_swiglu(x, w), rtol=0, atol=0)
-            ref = swiglu_reference(x, w, torch.bfloat16)
-            assert float((out.double() - ref).abs().max() / ref.abs().max()) < HALF_REL_TOL
 
 
 if __name__ == "__main__" and is_worker(sys.argv):

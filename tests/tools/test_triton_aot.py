@@ -56,22 +56,6 @@ def test_dry_run_lists_the_triton_kernels_of_the_bench_configuration():
     # the triton linear backend's GEMV (auto on a GPU, one-token steps): qkv_proj carries a bias, the shared
     # expert's down projection K=5632 takes the long-row tile
     assert "_gemv_kernel" in text and "HAS_BIAS=True" in text and "BLOCK_K=1024" in text
-    assert "_gemv_swiglu_kernel" not in text  # linear_gemv_swiglu is off by default
-
-
-def test_the_swiglu_gemv_is_listed_where_the_plan_runs_it(tmp_path):
-    """``linear_gemv_swiglu: true``: the shared expert's gate/up projection with the activation in its epilogue,
-    for one-token steps (with PDL on sm90); off: not listed."""
-    def listed(**kw):
-        plan = plan_for_arch(make_config(model="qwen1.5-moe-a2.7b", dtype="bfloat16", max_num_batched_tokens=16,
-                                         max_num_seqs=8, **kw), "9.0a")
-        kernels = triton_aot.list_kernels(plan, *H200, tmp_path / str(len(kw)))
-        return [k for k in kernels if k["name"] == "_gemv_swiglu_kernel"]
-    on = listed(linear_gemv_swiglu=True)
-    assert len(on) == 1, on
-    c = on[0]["constants"]
-    assert (c["BLOCK_N"], c["BLOCK_K"], c["PDL"]) == ("32", "128", "True"), c
-    assert listed() == []
 
 
 def test_built_kernels_serve_every_launch_from_disk_after_the_cache_moves(tmp_path):
