@@ -68,3 +68,35 @@ def test_a_cpu_only_profiler_trace_has_no_kernels(tmp_path):
     prof.export_chrome_trace(str(path))
     assert kernels_from_trace(json.loads(path.read_text())) == []
     assert timeline([], steps=4) == {}
+
+
+def test_layer_phases_measures_each_phase_by_the_ends_of_its_kernels(tmp_path):
+    """``scripts/layer_phases.py`` over a trace of two synthetic one-token layers (Qwen1.5-MoE's kernels and grids,
+    the shared expert on a second stream): each phase from the previous phase's end to its last kernel's end."""
+    import gzip
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def layer(t0):  # (name, stream, start, duration, grid)
+        return [("FusedAddRMSNormKernel", 7, t0, 2, (1, 1, 1)), ("_gemv_kernel", 7, t0 + 2, 10, (192, 1, 1)),
+                ("qkv_decode_attention_kernel", 7, t0 + 4, 16, (1, 16, 16)),  # PDL: it starts early, ends at +20
+                ("_gemv_kernel", 7, t0 + 15, 11, (64, 1, 1)), ("FusedAddRMSNormKernel", 7, t0 + 26, 2, (1, 1, 1)),
+                ("_router_partial_kernel", 7, t0 + 28, 2, (32, 1, 1)),
+                ("_topk_route_partials_kernel", 7, t0 + 30, 3, (1, 1, 1)),
+                ("_gemv_kernel", 9, t0 + 33, 25, (352, 1, 1)), ("fused_moe_kernel", 7, t0 + 33, 20, (352, 1, 1)),
+                ("fused_moe_kernel", 7, t0 + 53, 12, (256, 1, 1)), ("moe_combine_kernel", 7, t0 + 65, 5, (1, 2, 1))]
+    ks = layer(0) + layer(70) + [("FusedAddRMSNormKernel", 7, 140, 2, (1, 1, 1)),
+                                 ("_gemv_kernel", 7, 142, 10, (192, 1, 1))]
+    trace = {"traceEvents": [{"ph": "X", "cat": "kernel", "name": n, "ts": s, "dur": d,
+                              "args": {"stream": st, "grid": list(g)}} for n, st, s, d, g in ks]}
+    path = tmp_path / "decode-c1.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(trace, f)
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "scripts/layer_phases.py", str(path)], cwd=repo, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "a layer (median) 70.00 us" in out.stdout, out.stdout
+    assert "norm 2.00, qkv 10.00, attention 8.00, o_proj 6.00, norm2 2.00, routing 5.00, moe 37.00 us" in out.stdout
+    assert "+0.00   25.00" in out.stdout  # the shared expert's GEMV: from routing's end, 25 us

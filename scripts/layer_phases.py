@@ -1,0 +1,62 @@
+"""The phases of a one-token decode layer of Qwen1.5-MoE from a step profile's trace (``moeserve.bench.step_profile
+--concurrency 1 --trace-dir DIR`` with the default GPU path: the GEMV, the one-kernel Triton decode attention).
+
+    python scripts/layer_phases.py DIR/decode-c1.json.gz [...]
+
+For every layer (from the norm before its QKV GEMV to the norm before the next layer's): the median time from the
+end of each phase's last kernel to the end of the next one's (norm, QKV GEMV, attention, output projection, the
+post-attention norm, routing, the MoE phase up to the combine), then, inside the MoE phase, each kernel's median
+start and end after routing. Kernels launched with programmatic dependent launch start before their predecessor
+ends, so a phase is measured by ends.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import statistics
+import sys
+from collections import defaultdict
+
+from moeserve.bench.step_profile import kernels_from_trace
+
+PHASES = ["norm", "qkv", "attention", "o_proj", "norm2", "routing", "moe"]
+
+
+def layer_phases(ks: list) -> tuple[dict, dict]:
+    end = lambda k: k[2] + k[3]  # noqa: E731
+    qkv = [i for i, k in enumerate(ks) if k[0] == "_gemv_kernel" and k[4] == "[192, 1, 1]"]
+    phases, moe = defaultdict(list), defaultdict(list)
+    for i, nxt in zip(qkv, qkv[1:]):
+        if nxt - i > 20:  # the last layer of a step: the LM head and sampling follow
+            continue
+        seg = ks[i - 1: nxt - 1]
+        attn = next(k for k in seg if k[0].startswith("qkv_decode"))
+        o = next(k for k in seg if k[0] == "_gemv_kernel" and k[4] == "[64, 1, 1]")
+        n2 = next(k for k in seg if "FusedAddRMSNorm" in k[0] and k[2] > o[2])
+        topk = next(k for k in seg if k[0].startswith("_topk_route"))
+        comb = next(k for k in seg if k[0] == "moe_combine_kernel")
+        t = [seg[0][2], end(seg[0]), end(seg[1]), end(attn), end(o), end(n2), end(topk), end(comb)]
+        for name, a, b in zip(PHASES, t, t[1:]):
+            phases[name].append(b - a)
+        phases["layer"].append(ks[nxt - 1][2] - seg[0][2])
+        for k in seg[seg.index(topk) + 1: seg.index(comb) + 1]:
+            moe[(k[0][:40], k[4])].append((k[2] - end(topk), end(k) - end(topk)))
+    med = statistics.median
+    return ({k: med(v) for k, v in phases.items()},
+            {k: (med(a for a, _ in v), med(b for _, b in v), len(v)) for k, v in moe.items()})
+
+
+def main(paths: list[str]) -> int:
+    for path in paths:
+        ks = kernels_from_trace(json.load(gzip.open(path)))
+        phases, moe = layer_phases(ks)
+        print(f"{path}: {len(ks)} kernels; a layer (median) {phases.pop('layer'):.2f} us:")
+        print("   " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()) + " us")
+        print("   the MoE phase, us after routing ends (start, end):")
+        for (name, grid), (a, b, n) in moe.items():
+            print(f"     {name:40s} {grid:13s} {a:+7.2f} {b:7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
