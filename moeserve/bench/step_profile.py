@@ -87,8 +87,8 @@ def timeline(kernels: list[tuple[str, int, float, float, str]], steps: int) -> d
         sel = [g for g in gaps if a <= g < b]
         label = f">= {a:g} us" if b == float("inf") else f"{a:g}-{b:g} us"
         buckets.append({"gap": label, "per_step": len(sel) / steps, "us_per_step": sum(sel) / steps})
-    # each instant of busy time is shared evenly by the kernels running then: a kernel's share is what the step
-    # would lose without it, were the others unchanged; the shares add up to the busy time
+    # each instant of busy time is shared evenly by the kernels running then; the shares add up to the busy time
+    # (a kernel waiting in griddepcontrol.wait for its predecessor counts as running: PDL moves time between them)
     share = [0.0] * len(ks)
     events = sorted([(s, 1, i) for i, (s, _) in enumerate(ivs)] + [(e, 0, i) for i, (_, e) in enumerate(ivs)])
     running: set[int] = set()
