@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from moeserve.bench.graph_timing import time_in_graph_us
+
 TOL = 2e-2  # bf16 outputs of two float32-accumulated softmax(QK^T)V over the same cache
 
 
@@ -41,30 +43,7 @@ def make_cache(layers, batch, context, page_size, heads, head_dim, dtype, gen):
 
 def graph_time_us(step, layers: int, replays: int = 30) -> float:
     """µs per layer of one graph of ``step(layer)`` for every layer, replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for layer in range(layers):
-            step(layer)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for layer in range(layers):
-            step(layer)
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / layers)
-    times.sort()
-    return times[len(times) // 2]
+    return time_in_graph_us([lambda layer=layer: step(layer) for layer in range(layers)], replays, warm_replays=3)
 
 
 def save(path: str | None, rows: list) -> None:

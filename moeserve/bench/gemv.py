@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
+
+from moeserve.bench.graph_timing import time_in_graph_us
 
 TOL = 2e-2  # bf16 output of a float32-accumulated dot product over K <= 8192, against float32
 SWEEP = {"BLOCK_N": (16, 32), "BLOCK_K": (256, 512, 1024), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
@@ -46,31 +47,6 @@ def copies_for(nbytes: int, l2_bytes: int, least: int = 4, most: int = 1024) -> 
     """Copies of a weight of ``nbytes`` that hold three times an L2 cache of ``l2_bytes``, from ``least`` to
     ``most`` (a graph of more calls than that takes long to capture; weights that small hardly read HBM)."""
     return min(most, max(least, -(-3 * l2_bytes // max(nbytes, 1))))
-
-
-def time_in_graph_us(calls: list, reps: int = 20) -> float:
-    """Median microseconds per call of ``calls`` (argument-less callables) captured back to back in one CUDA
-    graph and replayed ``reps`` times; each call is run once before the capture (compiles stay out)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for c in calls:
-                c()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
