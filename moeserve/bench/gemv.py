@@ -97,7 +97,8 @@ def main(argv=None) -> int:
                    "gemv_prefetch_us": round(t_pref, 2),
                    "rel_err": round(err, 5)}
             print(f"{name:15s} N={n:6d} K={k:5d} M={m:2d}: cuBLAS {t_cublas:7.2f} us ({row['cublas_TBps']:.2f} TB/s)"
-                  f"  gemv {t_gemv:7.2f} us ({row['gemv_TBps']:.2f} TB/s), with L2 prefetch {t_pref:7.2f} us", flush=True)
+                  f"  gemv {t_gemv:7.2f} us ({row['gemv_TBps']:.2f} TB/s), with L2 prefetch {t_pref:7.2f} us",
+                  flush=True)
             if configs and name not in ("lm_head", "router"):
                 swept = []
                 for c in configs:
