@@ -259,15 +259,6 @@ class EngineConfig(_Strict):
     linear_gemv_max_tokens: int = Field(
         1, ge=0, le=16, description="with backends.linear: triton, steps of at most this many tokens run moeserve's "
         "Triton GEMV instead of cuBLAS (on an H200 it was faster at one token, slower at two); 0 always runs cuBLAS")
-    linear_gemv_prefetch: bool = Field(
-        False, description="with the Triton GEMV and programmatic dependent launch (pdl_max_tokens), each GEMV "
-        "program asks the L2 cache for its weight rows before it waits for the kernel before it, so that the "
-        "weights stream in while that kernel runs")
-    prefetch_next_qkv_max_tokens: int = Field(
-        0, ge=0, description="GPUs of compute capability 9.0 and later: in steps of at most this many tokens whose "
-        "shared expert runs on the side stream (shared_expert_stream_max_tokens), once a MoE layer's routed "
-        "experts are done the main stream asks the L2 cache for the next layer's QKV weight while the shared "
-        "expert finishes; 0 never")
     generation_config: str = Field(
         "auto", description="request defaults (temperature, top_p, top_k, min_p): auto reads the model "
         "directory's generation_config.json, vllm uses none, a directory reads that one's")

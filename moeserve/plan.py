@@ -108,29 +108,14 @@ class RuntimePlan:
         return self.config.router_fuse_norm and not self.parallel.is_parallel and not self.config.torch_compile
 
     @property
-    def prefetch_next_qkv_max_tokens(self) -> int:
-        """Steps of at most this many tokens ask L2 for the next layer's QKV weight after a MoE layer's routed
-        experts (``prefetch_next_qkv_max_tokens``): where the shared expert runs on the side stream, on a GPU of
-        compute capability 9.0 or later (the prefetch is an sm90 instruction), else 0."""
-        m, c = self.arch, self.config
-        if not m.shared_expert_intermediate_size or c.torch_compile or not self.pdl_capable_gpu:
-            return 0
-        return min(c.prefetch_next_qkv_max_tokens, c.shared_expert_stream_max_tokens, self.max_step_tokens)
-
-    @property
-    def pdl_capable_gpu(self) -> bool:
-        """Whether the plan's device is a CUDA GPU of compute capability 9.0 or later."""
-        if self.device.type != "cuda":
-            return False
-        gpus = self.hardware.gpus
-        i = self.device.index or 0
-        return i < len(gpus) and gpus[i].capability >= (9, 0)
-
-    @property
     def pdl_max_tokens(self) -> int:
         """Steps of at most this many tokens launch moeserve's Triton kernels with programmatic dependent launch
         (``moeserve.ops.pdl``): ``pdl_max_tokens`` on a GPU of compute capability 9.0 or later, else 0."""
-        return self.config.pdl_max_tokens if self.pdl_capable_gpu else 0
+        if self.device.type != "cuda":
+            return 0
+        gpus = self.hardware.gpus
+        i = self.device.index or 0
+        return self.config.pdl_max_tokens if i < len(gpus) and gpus[i].capability >= (9, 0) else 0
 
     def triton_fingerprint(self, device_name: str) -> dict:
         """What decides the Triton kernels this plan launches (``moeserve.kernel_cache.triton_cache``): the MoE
@@ -142,12 +127,10 @@ class RuntimePlan:
         gemv = self.config.linear_gemv_max_tokens if self.backends["linear"].name == "triton" else 0
         gated = bool(m.shared_expert_intermediate_size and m.shared_expert_gate)
         qkv = self.fused_qkv
-        return {"kernels": moe or routing or gemv > 0 or qkv or self.prefetch_next_qkv_max_tokens > 0, "moe": moe,
+        return {"kernels": moe or routing or gemv > 0 or qkv, "moe": moe,
                 "routing": m.routing.method if routing else None, "fused_qkv": qkv,
                 "decode_max_tokens": self.triton_decode_max_tokens,
-                "gemv_max_tokens": gemv, "gemv_prefetch": gemv > 0 and self.config.linear_gemv_prefetch,
-                "prefetch_next_qkv_max_tokens": self.prefetch_next_qkv_max_tokens,
-                "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
+                "gemv_max_tokens": gemv, "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
                 "fuse_shared_expert": self.config.moe_fuse_shared_expert,
                 "fuse_norm": moe and self.moe_fuse_norm,
                 "router_fuse_norm": (bool(routing) and self.config.router_split_k_max_tokens > 0

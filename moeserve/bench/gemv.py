@@ -6,8 +6,7 @@ engine's ``pdl_max_tokens``); a call's time is the graph's over the calls. Timed
 kernels of a few microseconds carry a per-call floor that a step does not have (on an H200 the 2048 x 2048
 projection took 9.9 us through cuBLAS and 25.4 us through the GEMV that way, against 6.0 us in a step). With
 ``--sweep`` the GEMV runs every tile configuration of a small grid and the best is reported beside the built-in
-one (``moeserve.ops.linear_triton.gemv_config``). Each row also times the GEMV with its L2 weight prefetch
-(``linear_gemv_prefetch``): back to back, each call's weights then stream in while the call before it runs.
+one (``moeserve.ops.linear_triton.gemv_config``).
 
     python -m moeserve.bench.gemv --model qwen1.5-moe-a2.7b --rows 1 2 4 8 --out gemv.json [--sweep]
 """
@@ -90,15 +89,12 @@ def main(argv=None) -> int:
                 return time_in_graph_us([lambda w=w, b=b: fn(w, b) for w, b in zip(ws, bs)])
             t_cublas = timed(lambda w, b: F.linear(x, w, b))
             t_gemv = timed(lambda w, b: gemv(x, w, b, cfg))
-            t_pref = timed(lambda w, b: gemv(x, w, b, cfg, prefetch=True))
             row = {"linear": name, "N": n, "K": k, "rows": m, "weight_MB": round(nbytes / 1e6, 2), "copies": copies,
                    "cublas_us": round(t_cublas, 2), "cublas_TBps": round(nbytes / t_cublas / 1e6, 2),
                    "gemv_us": round(t_gemv, 2), "gemv_TBps": round(nbytes / t_gemv / 1e6, 2), "gemv_config": cfg,
-                   "gemv_prefetch_us": round(t_pref, 2),
                    "rel_err": round(err, 5)}
             print(f"{name:15s} N={n:6d} K={k:5d} M={m:2d}: cuBLAS {t_cublas:7.2f} us ({row['cublas_TBps']:.2f} TB/s)"
-                  f"  gemv {t_gemv:7.2f} us ({row['gemv_TBps']:.2f} TB/s), with L2 prefetch {t_pref:7.2f} us",
-                  flush=True)
+                  f"  gemv {t_gemv:7.2f} us ({row['gemv_TBps']:.2f} TB/s)", flush=True)
             if configs and name not in ("lm_head", "router"):
                 swept = []
                 for c in configs:

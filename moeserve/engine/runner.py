@@ -161,7 +161,6 @@ class ModelRunner:
         linear, moe = cls("linear")(dev, dtype), cls("moe")(dev, dtype)
         if linear.name == "triton":
             linear.max_tokens = self.cfg.linear_gemv_max_tokens
-            linear.prefetch = self.cfg.linear_gemv_prefetch
         if moe.name == "triton":
             moe.pairwise_max_tokens = self.cfg.moe_pairwise_max_tokens
         routing = cls("routing")(dev, explicit=plan.explicit("routing"))
@@ -172,8 +171,7 @@ class ModelRunner:
                    rope_cls=cls("rope"), names=self.backend_names, quantization=self.quantization,
                    side_stream=torch.cuda.Stream(dev) if side else None,
                    side_stream_max_tokens=self.cfg.shared_expert_stream_max_tokens, parallel=self.parallel,
-                   moe_fuse_norm=plan.moe_fuse_norm, router_fuse_norm=plan.router_fuse_norm,
-                   prefetch_next_qkv_max_tokens=plan.prefetch_next_qkv_max_tokens)
+                   moe_fuse_norm=plan.moe_fuse_norm, router_fuse_norm=plan.router_fuse_norm)
 
     def _load_model(self) -> tuple[MoECausalLM, str, list[str]]:
         """The model with its weights in place and every MoE layer prepared by the routing and MoE backends;

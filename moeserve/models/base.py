@@ -37,9 +37,6 @@ class Ops:
     # Small steps fold the post-attention residual add and norm into the router's split-K partial sums
     # (``router_fuse_norm``) where the router can.
     router_fuse_norm: bool = False
-    # Steps of at most this many tokens whose shared expert runs on the side stream ask L2 for the next layer's
-    # QKV weight once the routed experts are done (``prefetch_next_qkv_max_tokens``); 0: never.
-    prefetch_next_qkv_max_tokens: int = 0
     parallel: Parallel = field(default_factory=Parallel)  # this rank's place among the GPUs (one rank: no split)
 
 

@@ -168,9 +168,6 @@ class SparseMoE(nn.Module):
                 self.shared_expert_gate = Linear(ops, h, 1, False, dtype, device)
         self.moe_parallel = MoEParallel(p, e, device, ops.moe.maps_expert_ids) if p.is_parallel else None
         self.fused_shared = 0  # shared-expert pieces appended to the routed experts (fuse_shared_expert)
-        # (the next decoder layer's QKV projection,) where prefetch_next_qkv_max_tokens may ask L2 for its weight;
-        # a tuple, so that it is not registered as a submodule
-        self.next_qkv: tuple[Linear] | tuple[()] = ()
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor | RouterPartials:
         """The router's GEMM of the tokens ``x``: its logits, or for small steps where the routing kernel takes
@@ -293,10 +290,6 @@ class SparseMoE(nn.Module):
             stream.wait_stream(torch.cuda.current_stream())  # x and the routing are ready
             with torch.cuda.stream(stream):
                 shared = self._shared(x, None, stream)
-            if self.next_qkv and x.shape[0] <= self.ops.prefetch_next_qkv_max_tokens:
-                from moeserve.ops.prefetch import prefetch_l2
-                w, t = self.next_qkv[0].weight, x.shape[0]
-                shared.before_join = lambda: prefetch_l2(w, t)
         if self.shared_expert is not None and shared is None:
             shared = self._shared(x, gate_logit, None)
         elif shared is not None and shared.gate_logit is None and gate_logit is not None:
@@ -427,9 +420,6 @@ class MoECausalLM(nn.Module):
         self.rope = ops.rope_cls(arch.head_dim, arch.rotary_dim, cache)
         self.layers = nn.ModuleList(DecoderLayer(ops, arch, i, self.rope, dtype, device)
                                     for i in range(arch.num_layers))
-        for layer, nxt in zip(self.layers, self.layers[1:]):
-            if isinstance(layer.mlp, SparseMoE) and ops.prefetch_next_qkv_max_tokens:
-                layer.mlp.next_qkv = (nxt.self_attn.qkv_proj,)
         self.norm = empty_param((arch.hidden_size,), dtype, device)
         self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _vocab_param(
             self.vocab_rows, self.vocab_start, arch, dtype, device)

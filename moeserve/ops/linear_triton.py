@@ -26,7 +26,6 @@ from moeserve.ops.eager import eager
 from moeserve.ops.interfaces import LinearBackend
 from moeserve.ops.pdl import launch_kwargs
 from moeserve.ops.pdl_triton import wait_prior
-from moeserve.ops.prefetch import prefetch_rows_l2
 from moeserve.quant.fp8 import fp8_linear_reference
 
 GEMV_MAX_ROWS = 16  # rows of x one launch takes (tl.dot's smallest tile)
@@ -37,16 +36,10 @@ GEMV_MAX_N = 16384  # wider ones (the LM head) cuBLAS reads at the copy bandwidt
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr,
-                 EVEN_K: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                 LANES: tl.constexpr = 128):
-    """``y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n])`` for ``m < M <= M_PAD``, float32 accumulation. With
-    ``PREFETCH`` (and ``PDL``) each program first asks L2 for its ``BLOCK_N`` weight rows, then waits for the kernel
-    before it: the weights, which no kernel writes, stream in while that kernel finishes."""
-    pid = tl.program_id(0)
-    if PREFETCH:
-        prefetch_rows_l2(w_ptr, pid * BLOCK_N, N, stride_wn, K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8),
-                         BLOCK_N, LANES)
+                 EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
+    """``y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n])`` for ``m < M <= M_PAD``, float32 accumulation."""
     wait_prior(PDL)
+    pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_n = (offs_n % N).to(tl.int64)  # past-the-end features re-read a valid row; their outputs are masked
     offs_m = tl.arange(0, M_PAD)
@@ -81,11 +74,9 @@ def gemv_config(n: int, k: int) -> dict:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: dict | None = None, prefetch: bool = False) -> torch.Tensor:
+         config: dict | None = None) -> torch.Tensor:
     """``x @ weight^T (+ bias)`` for ``x`` ``[..., K]`` of at most :data:`GEMV_MAX_ROWS` rows, ``weight``
-    ``[N, K]`` contiguous, both bf16 or fp16; returns ``[..., N]`` in ``x.dtype``. ``prefetch``: where the launch
-    uses PDL, the weight rows are asked of L2 before the kernel waits for its predecessor (rows of a multiple of
-    16 bytes from a 16-byte aligned weight; others are not prefetched)."""
+    ``[N, K]`` contiguous, both bf16 or fp16; returns ``[..., N]`` in ``x.dtype``."""
     lead, k = x.shape[:-1], x.shape[-1]
     n = weight.shape[0]
     x2 = x.reshape(-1, k)
@@ -99,13 +90,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return y.reshape(*lead, n)
     c = config or gemv_config(n, k)
     grid = (triton.cdiv(n, c["BLOCK_N"]),)
-    launch = launch_kwargs(m)
-    if prefetch and launch and (k * weight.element_size()) % 16 == 0 and weight.data_ptr() % 16 == 0:
-        launch = launch | {"PREFETCH": True, "LANES": 32 * c["num_warps"]}
     _gemv_kernel[grid](x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0), weight.stride(0),
                        y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
                        M_PAD=GEMV_MAX_ROWS, EVEN_K=k % c["BLOCK_K"] == 0, num_warps=c["num_warps"],
-                       num_stages=c["num_stages"], **launch)
+                       num_stages=c["num_stages"], **launch_kwargs(m))
     return y.reshape(*lead, n)
 
 
@@ -114,11 +102,9 @@ class TritonLinear(LinearBackend):
 
     name = "triton"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, max_tokens: int = 1,  # linear_gemv_max_tokens
-                 prefetch: bool = False):  # linear_gemv_prefetch
+    def __init__(self, device: torch.device, dtype: torch.dtype, max_tokens: int = 1):  # linear_gemv_max_tokens
         super().__init__(device, dtype)
         self.max_tokens = min(max_tokens, GEMV_MAX_ROWS)
-        self.prefetch = prefetch
 
     def takes_shape(self, rows: int, n: int, dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
         """Whether a step of ``rows`` rows times an ``[n, *]`` weight runs the GEMV (also what ``moeserve
@@ -132,7 +118,7 @@ class TritonLinear(LinearBackend):
 
     @eager  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
     def _gemv(self, x, weight, bias):
-        return gemv(x, weight, bias, prefetch=self.prefetch)
+        return gemv(x, weight, bias)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.takes(x, weight):

@@ -309,24 +309,16 @@ def launch_every_kernel(plan, on_step=None) -> None:
                 on_step(tokens)
                 x = torch.empty((tokens, h), dtype=plan.dtype, device=meta)
                 layer.after_attention(x, torch.empty_like(x), norm_w, plan.arch.rms_norm_eps, norm_w)  # as the model
-        if fp.get("prefetch_next_qkv_max_tokens"):
-            from moeserve.ops.prefetch import prefetch_l2
-            m = plan.arch
-            qkv = torch.empty(((m.num_heads + 2 * m.num_kv_heads) * m.head_dim, m.hidden_size), dtype=plan.dtype,
-                              device=meta)
-            for tokens in _pdl_step_sizes(fp["pdl_max_tokens"], fp["prefetch_next_qkv_max_tokens"]):
-                on_step(tokens)
-                prefetch_l2(qkv, tokens)
         on_step(None)
         if fp["gemv_max_tokens"]:
             from moeserve.ops.linear_triton import TritonLinear, gemv
-            lin = TritonLinear(meta, plan.dtype, max_tokens=fp["gemv_max_tokens"], prefetch=fp["gemv_prefetch"])
+            lin = TritonLinear(meta, plan.dtype, max_tokens=fp["gemv_max_tokens"])
             for n, k, bias, wdtype in meta_linear_shapes(plan):
                 for rows in range(1, lin.max_tokens + 1):
                     if lin.takes_shape(rows, n, plan.dtype, wdtype):
                         gemv(torch.empty((rows, k), dtype=plan.dtype, device=meta),
                              torch.empty((n, k), dtype=wdtype, device=meta),
-                             torch.empty((n,), dtype=wdtype, device=meta) if bias else None, prefetch=lin.prefetch)
+                             torch.empty((n,), dtype=wdtype, device=meta) if bias else None)
 
 
 def list_kernels(plan, capability: tuple[int, int], device_name: str, scratch: Path) -> list[dict]:

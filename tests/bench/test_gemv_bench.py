@@ -30,5 +30,5 @@ def test_the_bench_checks_and_times_every_linear_of_a_model(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["rows"] and {r["rows"] for r in doc["rows"]} == {1, 3}
     for r in doc["rows"]:  # within the tolerance the bench checks itself, timed over several weight copies
-        assert r["rel_err"] < 2e-2 and r["cublas_us"] > 0 and r["gemv_us"] > 0 and r["gemv_prefetch_us"] > 0, r
+        assert r["rel_err"] < 2e-2 and r["cublas_us"] > 0 and r["gemv_us"] > 0, r
         assert 4 <= r["copies"] <= 1024, r

@@ -148,25 +148,6 @@ def test_gemv_backend_follows_the_cublas_engine(tmp_path):
     assert r.worst > 0.999 and r.agreement >= 0.95
 
 
-def test_l2_weight_prefetch_changes_no_result(tmp_path):
-    """``linear_gemv_prefetch``: the GEMVs of the decode graphs ask L2 for their weights before they wait for the
-    kernel before them; ``prefetch_next_qkv_max_tokens``: each MoE layer asks for the next layer's QKV weight
-    before its combine. The same arithmetic, so the same logits as without (as the side-stream test's bound)."""
-    make_checkpoint("qwen2_moe", tmp_path, seed=13, **GPU_QWEN2)
-    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
-    on = engine(tmp_path, {**fast, "moe": "triton", "linear": "triton"}, eager=False, linear_gemv_max_tokens=4,
-                linear_gemv_prefetch=True, prefetch_next_qkv_max_tokens=16)
-    off = engine(tmp_path, {**fast, "moe": "triton", "linear": "triton"}, eager=False, linear_gemv_max_tokens=4)
-    assert on.runner.ops.linear.prefetch and not off.runner.ops.linear.prefetch
-    assert on.runner.ops.prefetch_next_qkv_max_tokens == 16 and on.runner.model.layers[0].mlp.next_qkv
-    assert off.runner.ops.prefetch_next_qkv_max_tokens == 0 and not off.runner.model.layers[0].mlp.next_qkv
-    g = torch.Generator().manual_seed(19)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 50, 7, 20)]
-    r = lockstep(on, off, prompts, MAX_TOKENS, follow="fast")
-    assert r.graph_steps > 0
-    assert r.worst > 0.99999 and r.agreement == 1.0
-
-
 @pytest.mark.parametrize("kind, shape, eager", [("qwen3_moe", GPU_QWEN3, False), ("qwen2_moe", GPU_QWEN2, False),
                                                 ("qwen2_moe", GPU_QWEN2, True)])
 def test_triton_decode_attention_matches_torch_path(tmp_path, kind, shape, eager):

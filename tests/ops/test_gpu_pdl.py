@@ -6,7 +6,6 @@ the kernel writing it had finished would read the previous replay's values), and
 float32 torch formula."""
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
@@ -50,18 +49,15 @@ def _kv_metadata(t, gen):
             "pages": len(indices)}
 
 
-def _step(x, cache, m, lw, side, prefetch=False):
-    """A decoder layer of moeserve's kernels at ``x [T, H]``: the outputs it leaves, by name. ``prefetch``: the
-    GEMVs ask L2 for their weights before they wait for the kernel before them (under PDL), and a prefetch kernel
-    asks for the QKV weight between the routed experts and the combine."""
+def _step(x, cache, m, lw, side):
+    """A decoder layer of moeserve's kernels at ``x [T, H]``: the outputs it leaves, by name."""
     from moeserve.ops.attention.qkv_triton import qkv_rope_append
     from moeserve.ops.linear_triton import GEMV_MAX_ROWS, gemv
     from moeserve.ops.moe.combine import SharedExpertOutput
     from moeserve.ops.moe.routing_triton import ROUTER_MAX_TOKENS, router_partials, topk_route, topk_route_partials
     from moeserve.ops.moe.triton_kernels import fused_moe
-    from moeserve.ops.prefetch import prefetch_l2
     t = x.shape[0]
-    lin = functools.partial(gemv, prefetch=prefetch) if t <= GEMV_MAX_ROWS else F.linear  # Triton GEMV, else cuBLAS
+    lin = gemv if t <= GEMV_MAX_ROWS else F.linear  # Triton GEMV, else cuBLAS
     qkv = lin(x, lw["wqkv"], lw["bqkv"])
     q = qkv_rope_append(qkv, m["pos"], lw["cos_sin"], HEADS, HEADS, D, cache, m["batch"], m["pos"], m["indices"],
                         m["indptr"], None, None, eps=1e-6)
@@ -74,18 +70,15 @@ def _step(x, cache, m, lw, side, prefetch=False):
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # the shared expert beside the routed ones, joined in the combine
         shared = SharedExpertOutput(lin(h, lw["shared"]), None, side)
-    if prefetch:  # between the routed experts and the combine, as prefetch_next_qkv_max_tokens launches it
-        shared.before_join = lambda: prefetch_l2(lw["wqkv"], t)
     shared.gate_logit = logits[:, E:E + 1]
     out = fused_moe(h, lw["w13"], lw["w2"], weights, ids, shared=shared, pairwise_max_tokens=1, interleaved=True)
     return {"q": q, "h": h, "weights": weights, "ids": ids, "shared": shared.out, "gate": shared.gate_logit,
             "out": out, "z": lin(out, lw["wo"]), "cache": cache}
 
 
-# GEMV (with and without the L2 weight prefetches), else cuBLAS; the partial-sum router up to 64 tokens; 300 x 4 rows:
-# the alignment in two kernels
-@pytest.mark.parametrize("T, prefetch", [(1, False), (1, True), (8, False), (8, True), (64, False), (300, False)])
-def test_a_layer_of_pdl_kernels_in_a_cuda_graph_matches_the_same_without_pdl_and_torch(T, prefetch):
+# GEMV, else cuBLAS; the partial-sum router up to 64 tokens; 300 x 4 rows: the alignment in two kernels
+@pytest.mark.parametrize("T", [1, 8, 64, 300])
+def test_a_layer_of_pdl_kernels_in_a_cuda_graph_matches_the_same_without_pdl_and_torch(T):
     from moeserve.ops import pdl
     gen = torch.Generator(device="cuda").manual_seed(SEED + T)
     lw = _layer(gen)
@@ -98,12 +91,12 @@ def test_a_layer_of_pdl_kernels_in_a_cuda_graph_matches_the_same_without_pdl_and
     with torch.cuda.stream(capture):
         for on in (0, 1):
             with pdl.enabled_as(8192 if on else 0):
-                eager = _step(x, caches[on], m, lw, side, prefetch)  # compiles and loads outside the capture
+                eager = _step(x, caches[on], m, lw, side)  # compiles and loads outside the capture
                 capture.wait_stream(side)
                 eager = {k: v.clone() for k, v in eager.items()}
                 graphs[on] = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graphs[on], stream=capture):
-                    outs[on] = _step(x, caches[on], m, lw, side, prefetch)
+                    outs[on] = _step(x, caches[on], m, lw, side)
             outs[on]["eager"] = eager
     torch.cuda.current_stream().wait_stream(capture)
     torch.cuda.synchronize()

@@ -82,19 +82,6 @@ def test_backend_takes_only_small_half_precision_cuda_steps():
     assert torch.equal(lin.linear(x, w, b), F.linear(x, w, b))
 
 
-def test_prefetch_takes_only_aligned_whole_gpu_tensors():
-    """``prefetch_l2`` asks L2 for contiguous tensors of a multiple of 16 bytes on an sm90 GPU (or ``meta``, as
-    the precompile launches it); anything else is left alone, and nothing is launched on the CPU."""
-    from moeserve.ops.prefetch import can_prefetch, prefetch_l2
-    meta = torch.device("meta")
-    assert can_prefetch(torch.empty(6144, 2048, dtype=torch.bfloat16, device=meta))
-    assert not can_prefetch(torch.empty(3, dtype=torch.bfloat16, device=meta))  # 6 bytes
-    assert not can_prefetch(torch.empty(64, 64, dtype=torch.bfloat16, device=meta).t())  # not contiguous
-    w = torch.randn(64, 64)
-    assert not can_prefetch(w)
-    prefetch_l2(w, 1)  # a no-op on the CPU
-
-
 # ---------------------------------------------------------------- GPU
 
 gpu = pytest.mark.gpu

@@ -15,7 +15,6 @@ final norm), one kernel where the combine and the next norm were two.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,14 +25,8 @@ class SharedExpertOutput:
     out: torch.Tensor  # [T, H] the shared expert's output, before its gate
     gate_logit: torch.Tensor | None = None  # [T, 1] logit of its sigmoid gate (Qwen2-MoE); None: ungated
     stream: torch.cuda.Stream | None = None  # the side stream it was computed on, if any
-    # launched on the current stream just before it waits for ``stream`` (the next layer's weight prefetch,
-    # ``moeserve.ops.prefetch``): work for a stream that would otherwise sit idle until the shared expert ends
-    before_join: Callable[[], None] | None = None
 
     def join(self) -> None:
-        if self.before_join is not None:
-            self.before_join()
-            self.before_join = None
         if self.stream is not None:
             torch.cuda.current_stream().wait_stream(self.stream)
 
