@@ -66,10 +66,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
 
 
 def gemv_config(n: int, k: int) -> dict:
-    """Tile parameters for an ``[n, k]`` weight: the fastest of ``python -m moeserve.bench.gemv --sweep`` on an
-    H200 for the Qwen1.5-MoE linears (BLOCK_N 32 for K = 2048, 16 with long rows)."""
+    """Tile parameters for an ``[n, k]`` weight, from ``python -m moeserve.bench.gemv --sweep`` on an H200 (the
+    linears back to back in a CUDA graph with PDL, docs/results/2026-12-02-h200-q) for the Qwen1.5-MoE linears:
+    BLOCK_N 32 for K = 2048, 16 with long rows; a weight of at most 4,096 rows (fewer programs than SMs: the
+    2048 x 2048 output projection) takes twice the K tile, more bytes in flight per program (5.55 against
+    6.27 us)."""
     if k >= 4096:
         return {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 4}
+    if n <= 4096:
+        return {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4}
 
 
