@@ -28,6 +28,9 @@ CPU_CASES = {
     "M3-oddK": (3, 33, 100, False, torch.float32, {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}),
     "M16-fp16": (16, 48, 128, True, torch.float16, {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}),
     "M0": (0, 16, 64, False, torch.float32, None),
+    # the built-in tiles (gemv_config) of a weight of at most 4,096 rows: BLOCK_K 512, 3 stages
+    "M1-builtin": (1, 48, 1024, False, torch.float32, None),
+    "M2-builtin-oddK": (2, 40, 1000, True, torch.float16, None),
 }
 
 
