@@ -1,0 +1,55 @@
+"""``scripts/ab_arms.py``: arm specs, the table against the first arm, and a run of two arms on the CPU's tiny model
+(one of them refused by the config, which costs that arm only)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "ab_arms.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("ab_arms", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_arm_specs():
+    parse = _module().parse_arm
+    assert parse("base") == ("base", None, [])
+    assert parse("g4:linear_gemv_max_tokens=4,pdl_max_tokens=0") == ("g4", None, ["linear_gemv_max_tokens=4",
+                                                                                   "pdl_max_tokens=0"])
+    assert parse("old@a:x=1") == ("old", "a", ["x=1"])
+    with pytest.raises(ValueError, match="is not key=value"):
+        parse("b:oops")
+
+
+def test_the_table_compares_every_arm_with_the_first():
+    rows = [{"arm": "a", "rows": [{"concurrency": 1, "decode_tok_s": 100.0}]},
+            {"arm": "b", "rows": [{"concurrency": 1, "decode_tok_s": 110.0}]},
+            {"arm": "a", "rows": [{"concurrency": 1, "decode_tok_s": 100.0}]},
+            {"arm": "b", "rows": [{"concurrency": 1, "decode_tok_s": 120.0}]}]
+    text = _module().table(rows, "a")
+    assert "115.0 (+15.0%)" in text and text.splitlines()[1].split()[:2] == ["a", "100.0"]
+
+
+def test_two_arms_on_the_tiny_model(tmp_path):
+    out = tmp_path / "ab.jsonl"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--set", "max_model_len=2048",
+                          "--arm", "base", "--arm", "nopdl:pdl_max_tokens=0", "--arm", "bad:no_such_option=1",
+                          "--concurrency", "1", "--rounds", "1", "--runs", "1", "--prompt-len", "32",
+                          "--output-len", "8", "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "bad round 1: exit 1: moeserve.config.ConfigError: config error: no_such_option: unknown field" in run.stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["arm"] for r in rows] == ["base", "nopdl"] and rows[1]["sets"] == ["pdl_max_tokens=0"]
+    assert all(r["rows"][0]["decode_tok_s"] > 0 for r in rows)
+    assert "nopdl" in run.stdout.splitlines()[-1]
