@@ -132,6 +132,8 @@ class RuntimePlan:
                 "decode_max_tokens": self.triton_decode_max_tokens,
                 "gemv_max_tokens": gemv, "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
                 "fuse_shared_expert": self.config.moe_fuse_shared_expert,
+                "fuse_shared_expert_pieces": (self.config.moe_fuse_shared_expert_pieces
+                                              if self.config.moe_fuse_shared_expert else 0),
                 "fuse_norm": moe and self.moe_fuse_norm,
                 "router_fuse_norm": (bool(routing) and self.config.router_split_k_max_tokens > 0
                                      and self.router_fuse_norm),

@@ -195,7 +195,7 @@ class ModelRunner:
         t = self._phase("weights", t)
         for block in model.moe_blocks():
             if cfg.moe_fuse_shared_expert:
-                block.fuse_shared_expert()
+                block.fuse_shared_expert(cfg.moe_fuse_shared_expert_pieces)
             self.ops.routing.prepare(block)
             self.ops.moe.prepare(block)
         if cfg.torch_compile:

@@ -204,29 +204,32 @@ class SparseMoE(nn.Module):
         if isinstance(logits, RouterPartials):  # the routing kernel adds them up and writes the logits
             weights, ids, logits = self.router.route_partials(logits, self.num_experts, shared=self.fused_shared,
                                                               gated=self.shared_gate_in_router)
-            if self.fused_shared:
+            if self.fused_shared and self.shared_expert is None:
                 return weights, ids, None
             e = self.num_experts
             return weights, ids, logits[:, e:e + 1] if self.shared_gate_in_router else None
         gate_logit = None
         if self.shared_gate_in_router:
             logits, gate_logit = logits[:, :self.num_experts], logits[:, self.num_experts:self.num_experts + 1]
+        rest_gate = gate_logit if self.shared_expert is not None else None  # for the rows not fused
         if self.fused_shared and self.router is not None and self.router.appends_shared:
             return (*self.router(logits, self.correction_bias, shared=self.fused_shared,
-                                 gated=gate_logit is not None), None)
+                                 gated=gate_logit is not None), rest_gate)
         if self.router is not None:
             weights, ids = self.router(logits, self.correction_bias)
         else:
             weights, ids = select_experts(logits, self.routing, self.correction_bias)
         if self.fused_shared:
-            return (*append_shared(weights, ids, gate_logit, self.num_experts, self.fused_shared), None)
+            return (*append_shared(weights, ids, gate_logit, self.num_experts, self.fused_shared), rest_gate)
         return weights, ids, gate_logit
 
     @torch.no_grad()
-    def fuse_shared_expert(self) -> int:
+    def fuse_shared_expert(self, pieces: int = 0) -> int:
         """Append the shared expert to the routed experts as ``ceil(S / I)`` pieces of the expert intermediate
         size ``I`` (the last zero-padded; SwiGLU acts row by row, so the pieces' outputs sum to the shared
-        expert's), chosen for every token with its gate as weight (1 without a gate). Returns the pieces."""
+        expert's), chosen for every token with its gate as weight (1 without a gate). ``pieces`` (fewer than
+        that; 0: all): only the first ``pieces * I`` rows join the routed experts, and the rest stay a shared
+        expert of ``S - pieces * I`` rows, computed apart and gated as before. Returns the pieces appended."""
         if self.shared_expert is None or self.fused_shared:
             return self.fused_shared
         if self.w13_order != "gate_up":
@@ -238,6 +241,13 @@ class SparseMoE(nn.Module):
         i = self.intermediate
         gate_up, down = self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight
         s = down.shape[1]
+        rest = None
+        if 0 < pieces < -(-s // i):  # the first pieces * I rows join; the others stay a shared expert
+            k = pieces * i
+            rest = DenseMLP(self.ops, down.shape[0], s - k, gate_up.dtype, gate_up.device, reduce=False)
+            rest.gate_up_proj.weight.copy_(torch.cat([gate_up[k:s], gate_up[s + k:]]))
+            rest.down_proj.weight.copy_(down[:, k:])
+            gate_up, down, s = torch.cat([gate_up[:k], gate_up[s:s + k]]), down[:, :k], k
         pieces = -(-s // i)
         pad = pieces * i - s
         g, u = gate_up[:s], gate_up[s:]
@@ -249,7 +259,7 @@ class SparseMoE(nn.Module):
         w2 = down.view(h, pieces, i).transpose(0, 1)  # [pieces, H, I]
         self.w13 = nn.Parameter(torch.cat([self.w13.data, w13.to(self.w13.dtype)]), requires_grad=False)
         self.w2 = nn.Parameter(torch.cat([self.w2.data, w2.to(self.w2.dtype)]).contiguous(), requires_grad=False)
-        self.shared_expert = None
+        self.shared_expert = rest
         self.fused_shared = pieces
         return pieces
 

@@ -217,7 +217,7 @@ def meta_moe_layer(plan, device: torch.device | None = None):
     ops.moe_fuse_norm, ops.router_fuse_norm = fp["fuse_norm"], fp["router_fuse_norm"]
     layer = SparseMoE(ops, plan.arch, dtype, meta)
     if fp["fuse_shared_expert"]:
-        layer.fuse_shared_expert()
+        layer.fuse_shared_expert(fp.get("fuse_shared_expert_pieces", 0))
     if fp["routing"]:
         layer.router = TritonTopkRouter(plan.arch.routing, fp["router_split_k_max_tokens"])
         layer.routing_impl = TritonTopkRouter.name
@@ -233,7 +233,12 @@ def meta_linear_shapes(plan) -> list[tuple[int, int, bool, torch.dtype]]:
     from moeserve.ops.moe.torch_ref import TorchMoE
     meta, dtype = torch.device("meta"), plan.dtype
     shapes = set()
-    for mod in MoECausalLM(plan.arch, _meta_ops(plan, TorchMoE(meta, dtype)), dtype, meta).modules():
+    model = MoECausalLM(plan.arch, _meta_ops(plan, TorchMoE(meta, dtype)), dtype, meta)
+    fp = plan.triton_fingerprint("?")
+    if fp["fuse_shared_expert"]:  # the shared expert's rows that stay apart are a linear of their own shape
+        for block in model.moe_blocks():
+            block.fuse_shared_expert(fp.get("fuse_shared_expert_pieces", 0))
+    for mod in model.modules():
         if isinstance(mod, Linear) and mod.weight_scale_inv is None:
             n, k = mod.weight.shape
             shapes.add((n, k, mod.bias is not None, mod.weight.dtype))

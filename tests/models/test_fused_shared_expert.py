@@ -38,10 +38,37 @@ def test_a_fused_block_computes_the_unfused_block(tmp_path, kind, pieces):
         torch.testing.assert_close(b(x), a(x), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_a_partly_fused_block_computes_the_unfused_block(tmp_path, pieces):
+    """``moe_fuse_shared_expert_pieces``: the first pieces of the shared expert join the routed experts, its other
+    rows stay a smaller shared expert (gated as before); the block's output is the same."""
+    make_checkpoint("qwen2_moe", tmp_path)  # a gated shared expert of 80 rows over experts of 32
+    plain = _engine(tmp_path, False, device="cpu")
+    part = _engine(tmp_path, True, device="cpu", moe_fuse_shared_expert_pieces=pieces)
+    a, b = plain.runner.model.moe_blocks()[0], part.runner.model.moe_blocks()[0]
+    assert b.fused_shared == pieces and b.w13.shape[0] == a.w13.shape[0] + pieces
+    assert b.shared_expert is not None and b.shared_expert.intermediate == 80 - 32 * pieces
+    torch.testing.assert_close(b.shared_expert.down_proj.weight, a.shared_expert.down_proj.weight[:, 32 * pieces:])
+    x = torch.randn(9, a.w13.shape[2], generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        w, ids, gate = b.route(x)
+        assert ids.shape[1] == a.top_k + pieces and gate is not None  # the rows left apart keep their gate
+        torch.testing.assert_close(b(x), a(x), rtol=1e-5, atol=1e-6)
+
+
+def test_as_many_pieces_as_the_shared_expert_has_fuses_all_of_it(tmp_path):
+    make_checkpoint("qwen2_moe", tmp_path)
+    b = _engine(tmp_path, True, device="cpu", moe_fuse_shared_expert_pieces=5).runner.model.moe_blocks()[0]
+    assert b.fused_shared == 3 and b.shared_expert is None
+
+
 def test_a_fused_engine_follows_the_unfused_one(tmp_path):
     make_checkpoint("qwen2_moe", tmp_path)
     prompts = [[5, 9, 31, 77, 120, 3], [200, 17, 4], list(range(40, 61))]
     r = lockstep(_engine(tmp_path, True, device="cpu"), _engine(tmp_path, False, device="cpu"), prompts, 8)
+    assert r.agreement == 1.0 and r.worst > COS_FP32, (r.agreement, r.worst)
+    part = _engine(tmp_path, True, device="cpu", moe_fuse_shared_expert_pieces=2)
+    r = lockstep(part, _engine(tmp_path, False, device="cpu"), prompts, 8)
     assert r.agreement == 1.0 and r.worst > COS_FP32, (r.agreement, r.worst)
 
 
@@ -57,10 +84,13 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @gpu
 @needs_cuda
-def test_fused_shared_expert_on_the_gpu_follows_the_unfused_engine(tmp_path):
+@pytest.mark.parametrize("pieces", [0, 1])
+def test_fused_shared_expert_on_the_gpu_follows_the_unfused_engine(tmp_path, pieces):
     """The Triton router appends the gated shared columns, the Triton MoE runs E + 2 experts (one-token steps
     pairwise, larger ones aligned), CUDA graphs on (bfloat16: FlashInfer's attention); against the unfused
-    engine on the same backends. A small KV cache each, so the two engines leave the GPU to later tests."""
+    engine on the same backends. ``pieces`` 1: one of the two pieces joins, the other half of the shared expert
+    runs apart on the side stream, gated by the router's column. A small KV cache each, so the two engines leave
+    the GPU to later tests."""
     from moeserve.config import make_config
     from moeserve.engine.engine import LLMEngine
     make_checkpoint("qwen2_moe", tmp_path, seed=1, hidden_size=512, num_attention_heads=4, num_key_value_heads=4,
@@ -70,11 +100,16 @@ def test_fused_shared_expert_on_the_gpu_follows_the_unfused_engine(tmp_path):
     def engine(fused: bool):
         return LLMEngine(make_config(model=str(tmp_path), dtype="bfloat16", device="cuda", page_size=16,
                                      max_num_batched_tokens=96, num_kv_pages=48, max_model_len=384, max_num_seqs=8,
-                                     cuda_graph_batch_sizes=[1, 2, 4, 8], moe_fuse_shared_expert=fused))
+                                     cuda_graph_batch_sizes=[1, 2, 4, 8], moe_fuse_shared_expert=fused,
+                                     moe_fuse_shared_expert_pieces=pieces))
     fast, ref = engine(True), engine(False)
     block = fast.runner.model.moe_blocks()[0]
     assert fast.runner.backend_names["moe"] == "triton" and block.router is not None and block.router.appends_shared
-    assert block.fused_shared == 2 and block.shared_expert is None and fast.runner.graphs is not None
+    if pieces:
+        assert block.fused_shared == 1 and block.shared_expert.intermediate == 128
+    else:
+        assert block.fused_shared == 2 and block.shared_expert is None
+    assert fast.runner.graphs is not None
     prompts = [[5, 9, 31, 77, 120, 3], [200, 17, 4], list(range(40, 61))]
     r = lockstep(fast, ref, prompts, 8, follow="fast")
     # bfloat16: the shared expert's down projection is summed in two pieces, in another order
