@@ -139,6 +139,18 @@ def check_existing(out: Path, arch: Arch, version: str, git: str | None, flag: s
 
 
 def run(args) -> int:
+    """``moeserve precompile``. A ``--dry-run`` leaves nothing behind where its ``--out`` directory did not exist
+    before (FlashInfer writes the sources it would compile into the workspace while it plans)."""
+    out = Path(args.out).expanduser().resolve()
+    fresh = args.dry_run and not out.exists()
+    try:
+        return _run(args)
+    finally:
+        if fresh:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def _run(args) -> int:
     from rich.console import Console
     from rich.table import Table
     from moeserve.args import config_from_args

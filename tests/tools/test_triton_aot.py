@@ -26,13 +26,15 @@ def tiny_plan(max_tokens=24, **kw):
                                      max_num_seqs=8, **kw), "9.0a")
 
 
-def test_dry_run_lists_the_triton_kernels_of_the_bench_configuration():
+def test_dry_run_lists_the_triton_kernels_of_the_bench_configuration(tmp_path):
+    cache = tmp_path / "cache"
     out = subprocess.run([sys.executable, "-m", "moeserve.cli", "precompile", "--config",
-                          "moeserve/presets/bench-gpu.yaml", "--arch", "9.0a", "--out", "/nonexistent/cache",
+                          "moeserve/presets/bench-gpu.yaml", "--arch", "9.0a", "--out", str(cache),
                           "--dry-run", "--modules", "norm"],
                          capture_output=True, text=True, cwd=REPO, timeout=300,
                          env={"COLUMNS": "300", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr[-2000:]
+    assert not cache.exists()  # a dry run leaves no cache directory behind (FlashInfer's planned sources included)
     text = out.stdout
     assert "Triton kernels for qwen1.5-moe-a2.7b on 9.0a (NVIDIA_H200), steps of 1 to 8192 tokens" in text
     for kernel in ("_topk_route_kernel", "_moe_align_one_pass_kernel", "_moe_align_kernel", "_moe_count_kernel",
