@@ -194,6 +194,9 @@ def resolve_plan(cfg: EngineConfig, hw: HardwareInfo | None = None, device: torc
                          f"({arch.max_position_embeddings})")
     quantization = engine_quantization(cfg, source.config)
     check_parallel(arch, tp, cfg.enable_expert_parallel, quantization)
+    if cfg.moe_fuse_shared_expert_pieces and not cfg.moe_fuse_shared_expert:
+        raise ValueError("moe_fuse_shared_expert_pieces: set moe_fuse_shared_expert: true as well (the pieces say "
+                         "how much of the shared expert it moves into the fused MoE)")
     if cfg.moe_fuse_shared_expert:
         why = ("the model has no shared expert" if not arch.shared_expert_intermediate_size else
                f"quantization is {quantization} (needs unquantised experts)" if quantization != "none" else

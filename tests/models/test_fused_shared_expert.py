@@ -76,6 +76,8 @@ def test_fusing_is_refused_by_name_where_it_cannot_apply(tmp_path):
     make_checkpoint("qwen3_moe", tmp_path)
     with pytest.raises(ValueError, match="moe_fuse_shared_expert: the model has no shared expert"):
         _engine(tmp_path, True, device="cpu")
+    with pytest.raises(ValueError, match="moe_fuse_shared_expert_pieces: set moe_fuse_shared_expert: true"):
+        _engine(tmp_path, False, device="cpu", moe_fuse_shared_expert_pieces=2)
 
 
 gpu = pytest.mark.gpu
