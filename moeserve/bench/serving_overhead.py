@@ -12,7 +12,9 @@ The same request stream three ways, at each ``--max-concurrency`` level (default
 
 Prompts are ``--input-len`` random token ids (the same per level in all three), ``--output-len`` tokens
 each. The table shows TTFT and ITL medians offline and online, the server's added TTFT (online - offline)
-and its ITL ratio, and output throughput beside vLLM's. The figures are written as JSON to ``--out``.
+and its ITL ratio, output throughput beside vLLM's, and how the server's own histograms split its time to first
+token (means over the level: the engine's queue, the prefill steps, and the hand-off between the front end and
+the engine core, which reads new requests between two steps). The figures are written as JSON to ``--out``.
 """
 from __future__ import annotations
 
@@ -189,11 +191,37 @@ async def _online_level(client, ns, url: str, model: str, c: int, prompts, warm)
             return await online._one_request(client, url + "/v1/completions", payload(ids), {})
     if warm:
         await asyncio.gather(*(one(ids) for ids in warm))
+    before = await _server_metrics(client, url)
     start = time.perf_counter()
     results = await asyncio.gather(*(one(ids) for ids in prompts))
     row = {"concurrency": c} | online.summarize(results, time.perf_counter() - start)
     row["errors"] = sorted({r.error for r in results if r.error})[:3]
-    return row
+    return row | _ttft_split(before, await _server_metrics(client, url))
+
+
+TTFT_SPLIT = {"queue_ms": "moeserve_request_queue_time_seconds", "prefill_ms": "moeserve_request_prefill_time_seconds",
+              "handoff_ms": "moeserve_request_handoff_time_seconds"}
+
+
+async def _server_metrics(client, url: str) -> dict[str, float]:
+    """The server's /metrics page, parsed (empty when it has none)."""
+    from moeserve.server.metrics import parse_metrics
+    try:
+        resp = await client.get(url + "/metrics")
+    except Exception:  # noqa: BLE001 - a server without the page: no split
+        return {}
+    return parse_metrics(resp.text) if resp.status_code == 200 else {}
+
+
+def _ttft_split(before: dict, after: dict) -> dict:
+    """The mean of each part of the time to first token over the level's requests, from moeserve's histograms
+    (engine queue, prefill steps, hand-off between the front end and the engine core); {} for other servers."""
+    out = {}
+    for key, name in TTFT_SPLIT.items():
+        n = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
+        if n > 0:
+            out[key] = 1e3 * (after[f"{name}_sum"] - before.get(f"{name}_sum", 0.0)) / n
+    return out
 
 
 # --- the run ---------------------------------------------------------------------------------------
@@ -225,6 +253,7 @@ def compare(offline: list[dict], served: list[dict], vllm: list[dict] | None) ->
             row["added_ttft_ms"] = on["ttft_median_ms"] - off["ttft_median_ms"]
         if on["itl_median_ms"] and off["itl_median_ms"]:
             row["itl_ratio"] = on["itl_median_ms"] / off["itl_median_ms"]
+        row |= {k: on[k] for k in TTFT_SPLIT if k in on}  # means, as the server's histograms split its TTFT
         if vllm:
             v = vllm[i]
             row |= {"vllm_ttft_ms": v["ttft_median_ms"], "vllm_itl_ms": v["itl_median_ms"],
@@ -237,6 +266,8 @@ def print_table(rows: list[dict]) -> None:
     cols = [("concurrency", "c", "d"), ("offline_ttft_ms", "TTFT off", ".2f"), ("online_ttft_ms", "TTFT on", ".2f"),
             ("added_ttft_ms", "+TTFT", ".2f"), ("offline_itl_ms", "ITL off", ".3f"), ("online_itl_ms", "ITL on", ".3f"),
             ("itl_ratio", "ITL on/off", ".3f"), ("online_tok_s", "tok/s on", ".1f"),
+            ("queue_ms", "queue mean", ".2f"), ("prefill_ms", "prefill mean", ".2f"),
+            ("handoff_ms", "handoff mean", ".2f"),
             ("vllm_ttft_ms", "vLLM TTFT", ".2f"), ("vllm_itl_ms", "vLLM ITL", ".3f"), ("vllm_tok_s", "vLLM tok/s", ".1f")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     print("  ".join(f"{h:>11}" for _, h, _ in cols))

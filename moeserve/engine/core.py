@@ -158,6 +158,9 @@ class EngineCore:
             if sent == 0:
                 delta.prompt_logprobs = seq.prompt_logprobs
                 delta.num_cached_tokens = seq.num_cached_tokens
+                t = seq.timing
+                if t.first_scheduled is not None and t.first_token is not None:
+                    delta.queue_s, delta.prefill_s = t.first_scheduled - t.arrival, t.first_token - t.first_scheduled
             if seq.is_finished:
                 delta.finish_reason = seq.finish_reason
                 del self.sent[seq.request_id]

@@ -48,6 +48,10 @@ class CoreDelta:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first delta, when asked
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (with the first delta)
     error: CoreError | None = None
+    # with the first delta: seconds from the engine taking the request to its first step, and from there to its
+    # first token (the core's share of the time to first token; the front end has the rest)
+    queue_s: float | None = None
+    prefill_s: float | None = None
 
 
 @dataclass

@@ -353,6 +353,10 @@ class EngineClient:
                 if not owner.got_tokens:
                     owner.got_tokens = True
                     m["ttft"].observe(now - sub.submitted)
+                    if d.queue_s is not None and d.prefill_s is not None:
+                        m["queue"].observe(d.queue_s)
+                        m["prefill"].observe(d.prefill_s)
+                        m["handoff"].observe(max(0.0, now - sub.submitted - d.queue_s - d.prefill_s))
                     m["prompt_tokens"].inc(len(sub.prompt_token_ids))
                 else:
                     m["itl"].observe(now - owner.last)

@@ -32,6 +32,15 @@ class ServerMetrics:
         self.generation_tokens = Counter("moeserve_generation_tokens", "Generated tokens", labels, registry=r)
         self.ttft = Histogram("moeserve_time_to_first_token_seconds", "From the request entering the server "
                               "to its first generated token", labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("moeserve_request_queue_time_seconds", "From the engine taking a request to its "
+                               "first step (waiting for pages or room in the batch)", labels,
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("moeserve_request_prefill_time_seconds", "From a request's first step to its "
+                                 "first token (its prompt's steps)", labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.handoff = Histogram("moeserve_request_handoff_time_seconds", "The rest of the time to first token: "
+                                 "from the front end handing a request to the engine core until the core takes it "
+                                 "(between two steps), and its first token's way back", labels,
+                                 buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("moeserve_inter_token_latency_seconds", "Time between consecutive generated "
                              "tokens of a request", labels, buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("moeserve_e2e_request_latency_seconds", "From the request entering the server to "
@@ -52,8 +61,8 @@ class ServerMetrics:
         for outcome in OUTCOMES:
             self.requests.labels(model_name, outcome)
         self._m = {name: getattr(self, name).labels(model_name) for name in (
-            "prompt_tokens", "generation_tokens", "ttft", "itl", "e2e", "running", "waiting", "pages_used",
-            "pages_total", "preemptions", "cache_queries", "cache_hits")}
+            "prompt_tokens", "generation_tokens", "ttft", "queue", "prefill", "handoff", "itl", "e2e", "running",
+            "waiting", "pages_used", "pages_total", "preemptions", "cache_queries", "cache_hits")}
         self.vllm = VllmMetrics(r, model_name)
         for name, twin in self.vllm.twins().items():
             self._m[name] = _Both(self._m[name], *twin)

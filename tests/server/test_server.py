@@ -97,6 +97,16 @@ def test_completion_with_openai_client(server, client):
     assert after["moeserve_prompt_tokens_total"] - before["moeserve_prompt_tokens_total"] == prompt_len
     assert after["moeserve_time_to_first_token_seconds_count"] == before["moeserve_time_to_first_token_seconds_count"] + 1
     assert after["moeserve_inter_token_latency_seconds_count"] == before["moeserve_inter_token_latency_seconds_count"] + 5
+    # the time to first token split: the engine's queue and prefill (measured in the core), the hand-off (the rest)
+    grew = {n: after[f"moeserve_{n}_sum"] - before[f"moeserve_{n}_sum"] for n in (
+        "time_to_first_token_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+        "request_handoff_time_seconds")}
+    for n in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_handoff_time_seconds"):
+        assert after[f"moeserve_{n}_count"] == before[f"moeserve_{n}_count"] + 1 and grew[n] >= 0
+    assert grew["request_prefill_time_seconds"] > 0
+    parts = grew["request_queue_time_seconds"] + grew["request_prefill_time_seconds"] + \
+        grew["request_handoff_time_seconds"]
+    assert parts == pytest.approx(grew["time_to_first_token_seconds"], abs=1e-6)
 
 
 def test_greedy_output_equals_llm_generate(server):

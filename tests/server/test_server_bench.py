@@ -95,3 +95,5 @@ def test_bench_serving_compares_offline_and_online_in_one_run(tmp_path):
         for key in ("offline_ttft_ms", "online_ttft_ms", "offline_itl_ms", "online_itl_ms", "itl_ratio"):
             assert math.isfinite(row[key]) and row[key] > 0, key
         assert math.isfinite(row["added_ttft_ms"])
+        # the server's own split of its time to first token, as means over the level's 4 requests
+        assert row["queue_ms"] >= 0 and row["prefill_ms"] > 0 and row["handoff_ms"] >= 0, row
