@@ -1,6 +1,8 @@
-"""Running the real command line in a subprocess, with this checkout's moeserve on its path."""
+"""Running the real command line in a subprocess, with this checkout's moeserve on its path; loading the
+checkout's ``scripts/`` as modules."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -8,6 +10,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` of this checkout, imported as a module (its ``main`` not run)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def cli_env(**extra) -> dict:

@@ -2,27 +2,20 @@
 (one of them refused by the config, which costs that arm only)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli_utils import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "ab_arms.py"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("ab_arms", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_arm_specs():
-    parse = _module().parse_arm
+    parse = load_script("ab_arms").parse_arm
     assert parse("base") == ("base", None, [])
     assert parse("g4:linear_gemv_max_tokens=4,pdl_max_tokens=0") == ("g4", None, ["linear_gemv_max_tokens=4",
                                                                                    "pdl_max_tokens=0"])
@@ -36,7 +29,7 @@ def test_the_table_compares_every_arm_with_the_first():
             {"arm": "b", "rows": [{"concurrency": 1, "decode_tok_s": 110.0}]},
             {"arm": "a", "rows": [{"concurrency": 1, "decode_tok_s": 100.0}]},
             {"arm": "b", "rows": [{"concurrency": 1, "decode_tok_s": 120.0}]}]
-    text = _module().table(rows, "a")
+    text = load_script("ab_arms").table(rows, "a")
     assert "115.0 (+15.0%)" in text and text.splitlines()[1].split()[:2] == ["a", "100.0"]
 
 

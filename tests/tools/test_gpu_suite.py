@@ -2,28 +2,21 @@
 selection (no server, block-FP8 model or CUTLASS MoE tests unless ``--all``)."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli_utils import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_suite.py"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("gpu_suite", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("n, parts", [(0, 2), (1, 3), (7, 2), (199, 2), (250, 3), (5, 5)])
 def test_parts_partition_the_ids_in_order(n, parts):
     ids = [f"tests/t{i // 4}.py::test_{i}" for i in range(n)]
-    chunks = _module().split(ids, parts)
+    chunks = load_script("gpu_suite").split(ids, parts)
     assert len(chunks) == parts
     assert [i for c in chunks for i in c] == ids  # every id once, in order
     assert max(map(len, chunks)) - min(map(len, chunks)) <= 1
