@@ -225,16 +225,15 @@ def meta_moe_layer(plan, device: torch.device | None = None):
     return layer
 
 
-def meta_linear_shapes(plan) -> list[tuple[int, int, bool, torch.dtype]]:
+def meta_linear_shapes(plan, fp: dict) -> list[tuple[int, int, bool, torch.dtype]]:
     """``(N, K, bias, dtype)`` of every distinct linear of the model (built on ``meta``) that runs through the
-    linear backend."""
+    linear backend; ``fp``: the plan's Triton fingerprint (whether the shared expert is fused, and how much)."""
     from moeserve.models.base import Linear
     from moeserve.models.layers import MoECausalLM
     from moeserve.ops.moe.torch_ref import TorchMoE
     meta, dtype = torch.device("meta"), plan.dtype
     shapes = set()
     model = MoECausalLM(plan.arch, _meta_ops(plan, TorchMoE(meta, dtype)), dtype, meta)
-    fp = plan.triton_fingerprint("?")
     if fp["fuse_shared_expert"]:  # the shared expert's rows that stay apart are a linear of their own shape
         for block in model.moe_blocks():
             block.fuse_shared_expert(fp.get("fuse_shared_expert_pieces", 0))
@@ -318,7 +317,7 @@ def launch_every_kernel(plan, on_step=None) -> None:
         if fp["gemv_max_tokens"]:
             from moeserve.ops.linear_triton import TritonLinear, gemv
             lin = TritonLinear(meta, plan.dtype, max_tokens=fp["gemv_max_tokens"])
-            for n, k, bias, wdtype in meta_linear_shapes(plan):
+            for n, k, bias, wdtype in meta_linear_shapes(plan, fp):
                 for rows in range(1, lin.max_tokens + 1):
                     if lin.takes_shape(rows, n, plan.dtype, wdtype):
                         gemv(torch.empty((rows, k), dtype=plan.dtype, device=meta),
