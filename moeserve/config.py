@@ -263,10 +263,6 @@ class EngineConfig(_Strict):
     linear_gemv_max_tokens: int = Field(
         1, ge=0, le=16, description="with backends.linear: triton, steps of at most this many tokens run moeserve's "
         "Triton GEMV instead of cuBLAS (on an H200 it was faster at one token, slower at two); 0 always runs cuBLAS")
-    linear_gemv_split_k: Literal[1, 2, 4, 8] = Field(
-        1, description="with the Triton GEMV, weights of at most 4,096 rows (fewer of its programs than two per SM: "
-        "an output projection, a shared expert's down projection) split each row's K over this many programs, "
-        "the last of them adding the partial sums; 1 does not split")
     generation_config: str = Field(
         "auto", description="request defaults (temperature, top_p, top_k, min_p): auto reads the model "
         "directory's generation_config.json, vllm uses none, a directory reads that one's")

@@ -130,8 +130,7 @@ class RuntimePlan:
         return {"kernels": moe or routing or gemv > 0 or qkv, "moe": moe,
                 "routing": m.routing.method if routing else None, "fused_qkv": qkv,
                 "decode_max_tokens": self.triton_decode_max_tokens,
-                "gemv_max_tokens": gemv, "gemv_split_k": self.config.linear_gemv_split_k if gemv else 1,
-                "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
+                "gemv_max_tokens": gemv, "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
                 "fuse_shared_expert": self.config.moe_fuse_shared_expert,
                 "fuse_shared_expert_pieces": (self.config.moe_fuse_shared_expert_pieces
                                               if self.config.moe_fuse_shared_expert else 0),

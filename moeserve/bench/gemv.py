@@ -6,12 +6,9 @@ engine's ``pdl_max_tokens``); a call's time is the graph's over the calls. Timed
 kernels of a few microseconds carry a per-call floor that a step does not have (on an H200 the 2048 x 2048
 projection took 9.9 us through cuBLAS and 25.4 us through the GEMV that way, against 6.0 us in a step). With
 ``--sweep`` the GEMV runs every tile configuration of a small grid and the best is reported beside the built-in
-one (``moeserve.ops.linear_triton.gemv_config``). ``--split-k 2 4 8`` also times each linear (but the router
-and the LM head) with each row's K over that many programs, at the built-in tiles and at BLOCK_K 256 (each split
-checked against the reference too; the engine's ``linear_gemv_split_k`` splits the weights of at most
-``GEMV_SPLIT_MAX_N`` rows).
+one (``moeserve.ops.linear_triton.gemv_config``).
 
-    python -m moeserve.bench.gemv --model qwen1.5-moe-a2.7b --rows 1 2 4 8 --out gemv.json [--sweep] [--split-k 2 4]
+    python -m moeserve.bench.gemv --model qwen1.5-moe-a2.7b --rows 1 2 4 8 --out gemv.json [--sweep]
 """
 from __future__ import annotations
 
@@ -58,8 +55,6 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--sweep", action="store_true", help="also time every tile configuration of a small grid")
-    p.add_argument("--split-k", type=int, nargs="*", default=[], choices=[2, 4, 8],
-                   help="also time split-K GEMVs of the narrow linears with these splits")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--pdl", type=int, default=None, help="launch the GEMV with programmatic dependent launch for "
                    "steps of up to this many rows (default: 64 on compute capability 9.0 and later, else 0)")
@@ -114,20 +109,6 @@ def main(argv=None) -> int:
                            top5=[(round(t, 2), c) for t, c in swept[:5]])
                 print(f"    best {best[0]:7.2f} us ({row['best_TBps']:.2f} TB/s) {best[1]}; next "
                       + "; ".join(f"{t:.2f} {c}" for t, c in swept[1:4]), flush=True)
-            if args.split_k and name not in ("lm_head", "router"):
-                row["split_k"] = []
-                for split in args.split_k:
-                    for c in (cfg, {**cfg, "BLOCK_K": 256}):
-                        y = gemv(x, w, b, c, split_k=split)
-                        e = (y.float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
-                        if e > TOL:
-                            raise SystemExit(f"{name} M={m} split {split} {c}: GEMV differs from the float32 "
-                                             f"reference by {e:.3g} (> {TOL})")
-                        t = timed(lambda w, b, c=c, split=split: gemv(x, w, b, c, split_k=split))
-                        row["split_k"].append({"split_k": split, "config": c, "us": round(t, 2),
-                                               "TBps": round(nbytes / t / 1e6, 2), "rel_err": round(e, 5)})
-                        print(f"    split {split} BLOCK_K {c['BLOCK_K']:4d}: {t:7.2f} us "
-                              f"({nbytes / t / 1e6:.2f} TB/s)", flush=True)
             rows.append(row)
     if args.out:
         with open(args.out, "w") as f:

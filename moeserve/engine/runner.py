@@ -161,7 +161,6 @@ class ModelRunner:
         linear, moe = cls("linear")(dev, dtype), cls("moe")(dev, dtype)
         if linear.name == "triton":
             linear.max_tokens = self.cfg.linear_gemv_max_tokens
-            linear.split_k = self.cfg.linear_gemv_split_k
         if moe.name == "triton":
             moe.pairwise_max_tokens = self.cfg.moe_pairwise_max_tokens
         routing = cls("routing")(dev, explicit=plan.explicit("routing"))

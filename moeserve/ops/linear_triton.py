@@ -31,64 +31,38 @@ from moeserve.quant.fp8 import fp8_linear_reference
 GEMV_MAX_ROWS = 16  # rows of x one launch takes (tl.dot's smallest tile)
 GEMV_MIN_N = 256  # narrower weights (a router) leave most SMs idle in a GEMV: cuBLAS
 GEMV_MAX_N = 16384  # wider ones (the LM head) cuBLAS reads at the copy bandwidth (160 us against the GEMV's 197)
-GEMV_MAX_SPLIT_K = 8
-GEMV_SPLIT_MAX_N = 4096  # linear_gemv_split_k splits weights of at most this many rows (fewer programs than 2 per SM)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
-                 stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 M_PAD: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False):
-    """``y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n])`` for ``m < M <= M_PAD``, float32 accumulation.
-
-    With ``SPLIT_K`` > 1 program ``(i, s)`` sums the ``s``-th ``k_per_split`` columns (a multiple of ``BLOCK_K``)
-    of its ``BLOCK_N`` rows into ``part[s]`` (float32) and counts itself in ``count[i]``; the last of the
-    ``SPLIT_K`` to arrive adds the partials, writes ``y`` and sets the counter back to zero."""
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr,
+                 EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
+    """``y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n])`` for ``m < M <= M_PAD``, float32 accumulation."""
     wait_prior(PDL)
     pid = tl.program_id(0)
-    split = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_n = (offs_n % N).to(tl.int64)  # past-the-end features re-read a valid row; their outputs are masked
     offs_m = tl.arange(0, M_PAD)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
-    k0 = split * k_per_split
-    k_end = tl.minimum(K, k0 + k_per_split)
-    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
-    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None]  # x^T tile [BLOCK_K, M_PAD]
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # x^T tile [BLOCK_K, M_PAD]
     acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
-    for k in range(0, tl.cdiv(k_end - k0, BLOCK_K)):
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             w = tl.load(w_ptrs)
             xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
         else:
-            k_mask = offs_k < k_end - k0 - k * BLOCK_K
+            k_mask = offs_k < K - k * BLOCK_K
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
         acc = tl.dot(w, xt, acc=acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    out_mask = (offs_n[:, None] < N) & m_mask[None, :]
-    if SPLIT_K > 1:
-        # partials: [SPLIT_K, M_PAD, N] float32
-        tl.store(part_ptr + (split * M_PAD + offs_m[None, :]) * N + offs_n[:, None], acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        done = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
-        if done == SPLIT_K - 1:  # the last split of these rows: add every split's partial, read in one go
-            sp = tl.arange(0, SPLIT_K)
-            parts = tl.load(part_ptr + (sp[:, None, None] * M_PAD + offs_m[None, None, :]) * N
-                            + offs_n[None, :, None], mask=out_mask[None, :, :], other=0.0, cache_modifier=".cg")
-            acc = tl.sum(parts, axis=0)
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rows_n).to(tl.float32)[:, None]
-            y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rows_n).to(tl.float32)[:, None]
-        y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows_n).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_n[:, None] < N) & m_mask[None, :])
 
 
 def gemv_config(n: int, k: int) -> dict:
@@ -104,29 +78,10 @@ def gemv_config(n: int, k: int) -> dict:
     return {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4}
 
 
-_SPLIT_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def split_buffers(device: torch.device, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float32 partials (room for :data:`GEMV_MAX_SPLIT_K` splits) and the zeroed per-tile counters of the
-    split-K GEMV of an ``[n, k]`` weight on ``device``: one pair per weight shape, allocated at its first call
-    (an eager warm-up, before CUDA graphs capture it) and kept; calls of one shape follow each other on a
-    stream (each waits for the kernel before it), so they share them."""
-    key = (str(device), n, k)
-    bufs = _SPLIT_BUFFERS.get(key)
-    if bufs is None:
-        bufs = (torch.empty((GEMV_MAX_SPLIT_K, GEMV_MAX_ROWS, n), dtype=torch.float32, device=device),
-                torch.zeros(triton.cdiv(n, 16), dtype=torch.int32, device=device))
-        _SPLIT_BUFFERS[key] = bufs
-    return bufs
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: dict | None = None, split_k: int | None = None) -> torch.Tensor:
+         config: dict | None = None) -> torch.Tensor:
     """``x @ weight^T (+ bias)`` for ``x`` ``[..., K]`` of at most :data:`GEMV_MAX_ROWS` rows, ``weight``
-    ``[N, K]`` contiguous, both bf16 or fp16; returns ``[..., N]`` in ``x.dtype``. ``split_k`` (1, 2, 4 or 8;
-    default: the config's ``SPLIT_K``, else 1) splits each row's ``K`` over that many programs (fewer when ``K``
-    has fewer ``BLOCK_K`` tiles)."""
+    ``[N, K]`` contiguous, both bf16 or fp16; returns ``[..., N]`` in ``x.dtype``."""
     lead, k = x.shape[:-1], x.shape[-1]
     n = weight.shape[0]
     x2 = x.reshape(-1, k)
@@ -139,21 +94,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if m == 0:
         return y.reshape(*lead, n)
     c = config or gemv_config(n, k)
-    split = split_k or c.get("SPLIT_K", 1)
-    if split not in (1, 2, 4, 8):
-        raise ValueError(f"gemv split_k must be 1, 2, 4 or 8, got {split}")
-    tiles = triton.cdiv(k, c["BLOCK_K"])
-    while split > 1 and split > tiles:
-        split //= 2
-    k_per = triton.cdiv(tiles, split) * c["BLOCK_K"]  # a last split may get fewer tiles, or none (zero partials)
-    part, count = split_buffers(x.device, n, k) if split > 1 else (y, y)
-    if split > 1 and count.numel() < triton.cdiv(n, c["BLOCK_N"]):
-        raise ValueError(f"gemv split-K takes BLOCK_N >= 16, got {c['BLOCK_N']}")
-    grid = (triton.cdiv(n, c["BLOCK_N"]), split)
-    _gemv_kernel[grid](x2, weight, bias if bias is not None else weight, y, part, count, m, n, k, k_per,
-                       x2.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-                       BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], M_PAD=GEMV_MAX_ROWS,
-                       EVEN_K=k % c["BLOCK_K"] == 0, SPLIT_K=split, num_warps=c["num_warps"],
+    grid = (triton.cdiv(n, c["BLOCK_N"]),)
+    _gemv_kernel[grid](x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0), weight.stride(0),
+                       y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+                       M_PAD=GEMV_MAX_ROWS, EVEN_K=k % c["BLOCK_K"] == 0, num_warps=c["num_warps"],
                        num_stages=c["num_stages"], **launch_kwargs(m))
     return y.reshape(*lead, n)
 
@@ -163,11 +107,9 @@ class TritonLinear(LinearBackend):
 
     name = "triton"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, max_tokens: int = 1,  # linear_gemv_max_tokens
-                 split_k: int = 1):  # linear_gemv_split_k
+    def __init__(self, device: torch.device, dtype: torch.dtype, max_tokens: int = 1):  # linear_gemv_max_tokens
         super().__init__(device, dtype)
         self.max_tokens = min(max_tokens, GEMV_MAX_ROWS)
-        self.split_k = split_k
 
     def takes_shape(self, rows: int, n: int, dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
         """Whether a step of ``rows`` rows times an ``[n, *]`` weight runs the GEMV (also what ``moeserve
@@ -175,18 +117,13 @@ class TritonLinear(LinearBackend):
         return (0 < rows <= self.max_tokens and GEMV_MIN_N <= n <= GEMV_MAX_N
                 and dtype in (torch.bfloat16, torch.float16) and weight_dtype == dtype)
 
-    def split_for(self, n: int) -> int:
-        """How many programs share each row of an ``[n, *]`` weight: ``split_k`` for weights of at most
-        :data:`GEMV_SPLIT_MAX_N` rows, else 1."""
-        return self.split_k if n <= GEMV_SPLIT_MAX_N else 1
-
     def takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         return x.is_cuda and self.takes_shape(rows, weight.shape[0], x.dtype, weight.dtype) and weight.is_contiguous()
 
     @eager  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
     def _gemv(self, x, weight, bias):
-        return gemv(x, weight, bias, split_k=self.split_for(weight.shape[0]))
+        return gemv(x, weight, bias)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.takes(x, weight):

@@ -316,14 +316,13 @@ def launch_every_kernel(plan, on_step=None) -> None:
         on_step(None)
         if fp["gemv_max_tokens"]:
             from moeserve.ops.linear_triton import TritonLinear, gemv
-            lin = TritonLinear(meta, plan.dtype, max_tokens=fp["gemv_max_tokens"], split_k=fp["gemv_split_k"])
+            lin = TritonLinear(meta, plan.dtype, max_tokens=fp["gemv_max_tokens"])
             for n, k, bias, wdtype in meta_linear_shapes(plan, fp):
                 for rows in range(1, lin.max_tokens + 1):
                     if lin.takes_shape(rows, n, plan.dtype, wdtype):
                         gemv(torch.empty((rows, k), dtype=plan.dtype, device=meta),
                              torch.empty((n, k), dtype=wdtype, device=meta),
-                             torch.empty((n,), dtype=wdtype, device=meta) if bias else None,
-                             split_k=lin.split_for(n))
+                             torch.empty((n,), dtype=wdtype, device=meta) if bias else None)
 
 
 def list_kernels(plan, capability: tuple[int, int], device_name: str, scratch: Path) -> list[dict]:

@@ -25,12 +25,10 @@ def test_enough_weight_copies_to_pass_three_l2_caches():
 def test_the_bench_checks_and_times_every_linear_of_a_model(tmp_path):
     out = tmp_path / "gemv.json"
     run = subprocess.run([sys.executable, "-m", "moeserve.bench.gemv", "--model", "tiny", "--rows", "1", "3",
-                          "--split-k", "2", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+                          "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["rows"] and {r["rows"] for r in doc["rows"]} == {1, 3}
     for r in doc["rows"]:  # within the tolerance the bench checks itself, timed over several weight copies
         assert r["rel_err"] < 2e-2 and r["cublas_us"] > 0 and r["gemv_us"] > 0, r
         assert 4 <= r["copies"] <= 1024, r
-    split = [s for r in doc["rows"] for s in r.get("split_k", [])]
-    assert split and all(s["split_k"] == 2 and s["us"] > 0 and s["rel_err"] < 2e-2 for s in split)
