@@ -254,9 +254,15 @@ class EngineConfig(_Strict):
         "rows cut into moe_intermediate_size pieces, weighted by its gate): no separate shared-expert GEMMs or "
         "side stream; one GPU, unquantised weights")
     moe_fuse_shared_expert_pieces: int = Field(
-        0, ge=0, description="with moe_fuse_shared_expert, how many of those pieces join the routed experts; the "
+        0, ge=0, description="where the shared expert runs in the fused MoE, how many of those pieces join the routed "
+        "experts; the "
         "shared expert's other rows stay a smaller shared expert beside them (on the side stream), so that the "
         "fused MoE and the shared expert's GEMMs can be given even shares of the work; 0 all of them")
+    moe_fuse_shared_expert_max_tokens: int = Field(
+        1, ge=0, description="steps of at most this many tokens run the shared expert inside the fused MoE, as "
+        "moe_fuse_shared_expert does for every step, where it applies (a shared expert, unquantised experts, one "
+        "GPU, the Triton or torch MoE, no torch_compile); larger steps run it apart, beside the routed experts, so "
+        "its weights are held twice; 0 none (on an H200 the fused MoE was faster at one token, slower at two)")
     moe_fuse_norm: bool = Field(
         False, description="Triton MoE on unquantised experts, one GPU: the MoE combine also adds the block's output "
         "to the residual and applies the next layer's input norm (or the final norm), one launch per layer fewer")

@@ -117,6 +117,21 @@ class RuntimePlan:
         i = self.device.index or 0
         return self.config.pdl_max_tokens if i < len(gpus) and gpus[i].capability >= (9, 0) else 0
 
+    @property
+    def fused_shared_expert_steps(self) -> int | None:
+        """Which steps run the shared expert inside the fused MoE (``SparseMoE.fuse_shared_expert``): None no step,
+        0 every step (``moe_fuse_shared_expert``), ``n`` the steps of at most ``n`` tokens
+        (``moe_fuse_shared_expert_max_tokens``, where it applies: :func:`fuse_shared_expert_unsupported`, the Triton
+        or torch MoE, no torch.compile)."""
+        cfg = self.config
+        if cfg.moe_fuse_shared_expert:
+            return 0
+        n = min(cfg.moe_fuse_shared_expert_max_tokens, self.max_step_tokens)
+        if (n and fuse_shared_expert_unsupported(self.arch, self.quantization, self.parallel.tp_size) is None
+                and self.backends["moe"].name in ("triton", "torch") and not cfg.torch_compile):
+            return n
+        return None
+
     def triton_fingerprint(self, device_name: str) -> dict:
         """What decides the Triton kernels this plan launches (``moeserve.kernel_cache.triton_cache``): the MoE
         shapes, routing, dtypes, the largest step, the GPU's tuned-config name and the kernels' source."""
@@ -127,13 +142,14 @@ class RuntimePlan:
         gemv = self.config.linear_gemv_max_tokens if self.backends["linear"].name == "triton" else 0
         gated = bool(m.shared_expert_intermediate_size and m.shared_expert_gate)
         qkv = self.fused_qkv
+        fused = self.fused_shared_expert_steps
         return {"kernels": moe or routing or gemv > 0 or qkv, "moe": moe,
                 "routing": m.routing.method if routing else None, "fused_qkv": qkv,
                 "decode_max_tokens": self.triton_decode_max_tokens,
                 "gemv_max_tokens": gemv, "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
-                "fuse_shared_expert": self.config.moe_fuse_shared_expert,
-                "fuse_shared_expert_pieces": (self.config.moe_fuse_shared_expert_pieces
-                                              if self.config.moe_fuse_shared_expert else 0),
+                "fuse_shared_expert": fused is not None,
+                "fuse_shared_expert_pieces": self.config.moe_fuse_shared_expert_pieces if fused is not None else 0,
+                "fuse_shared_expert_max_tokens": fused or 0,
                 "fuse_norm": moe and self.moe_fuse_norm,
                 "router_fuse_norm": (bool(routing) and self.config.router_split_k_max_tokens > 0
                                      and self.router_fuse_norm),
@@ -146,6 +162,15 @@ class RuntimePlan:
                 "router_dtype": "float32" if m.router_fp32 else str(self.dtype).removeprefix("torch."),
                 "dtype": str(self.dtype).removeprefix("torch."), "quantization": self.quantization,
                 "device_name": device_name, "code": triton_source_digest(), "max_tokens": self.max_step_tokens}
+
+
+def fuse_shared_expert_unsupported(arch: ArchConfig, quantization: str, tp: int) -> str | None:
+    """None when the shared expert can run inside the fused MoE (``SparseMoE.fuse_shared_expert``), else why not."""
+    return ("the model has no shared expert" if not arch.shared_expert_intermediate_size else
+            f"quantization is {quantization} (needs unquantised experts)" if quantization != "none" else
+            f"tensor_parallel_size is {tp} (needs one GPU)" if tp > 1 else
+            "the shared expert's gate is computed in float32 apart from the router"
+            if arch.shared_expert_gate and arch.router_fp32 else None)
 
 
 def triton_source_digest() -> str:
@@ -194,15 +219,13 @@ def resolve_plan(cfg: EngineConfig, hw: HardwareInfo | None = None, device: torc
                          f"({arch.max_position_embeddings})")
     quantization = engine_quantization(cfg, source.config)
     check_parallel(arch, tp, cfg.enable_expert_parallel, quantization)
-    if cfg.moe_fuse_shared_expert_pieces and not cfg.moe_fuse_shared_expert:
-        raise ValueError("moe_fuse_shared_expert_pieces: set moe_fuse_shared_expert: true as well (the pieces say "
-                         "how much of the shared expert it moves into the fused MoE)")
+    if cfg.moe_fuse_shared_expert_pieces and not (cfg.moe_fuse_shared_expert
+                                                  or cfg.moe_fuse_shared_expert_max_tokens):
+        raise ValueError("moe_fuse_shared_expert_pieces: set moe_fuse_shared_expert: true or "
+                         "moe_fuse_shared_expert_max_tokens above 0 as well (the pieces say how much of the shared "
+                         "expert moves into the fused MoE)")
     if cfg.moe_fuse_shared_expert:
-        why = ("the model has no shared expert" if not arch.shared_expert_intermediate_size else
-               f"quantization is {quantization} (needs unquantised experts)" if quantization != "none" else
-               f"tensor_parallel_size is {tp} (needs one GPU)" if tp > 1 else
-               "the shared expert's gate is computed in float32 apart from the router"
-               if arch.shared_expert_gate and arch.router_fp32 else None)
+        why = fuse_shared_expert_unsupported(arch, quantization, tp)
         if why:
             raise ValueError(f"moe_fuse_shared_expert: {why}")
     ep = tp if cfg.enable_expert_parallel else 1

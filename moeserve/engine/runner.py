@@ -193,9 +193,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t = self._phase("weights", t)
+        fused = plan.fused_shared_expert_steps
         for block in model.moe_blocks():
-            if cfg.moe_fuse_shared_expert:
-                block.fuse_shared_expert(cfg.moe_fuse_shared_expert_pieces)
+            if fused is not None:
+                block.fuse_shared_expert(cfg.moe_fuse_shared_expert_pieces, fused)
             self.ops.routing.prepare(block)
             self.ops.moe.prepare(block)
         if cfg.torch_compile:

@@ -168,6 +168,8 @@ class SparseMoE(nn.Module):
                 self.shared_expert_gate = Linear(ops, h, 1, False, dtype, device)
         self.moe_parallel = MoEParallel(p, e, device, ops.moe.maps_expert_ids) if p.is_parallel else None
         self.fused_shared = 0  # shared-expert pieces appended to the routed experts (fuse_shared_expert)
+        self.fused_max_tokens = 0  # steps of more tokens run the shared expert apart; 0: none does
+        self.fused_rest = None  # the shared expert's rows left apart in a fused step (fewer pieces)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor | RouterPartials:
         """The router's GEMM of the tokens ``x``: its logits, or for small steps where the routing kernel takes
@@ -194,42 +196,57 @@ class SparseMoE(nn.Module):
         """``(norm of residual + x, residual + x, the router's partial sums of that norm)`` in one launch."""
         return self.router.add_norm_partial_logits(x, residual, norm_weight, eps, self.gate.weight)
 
+    def fuses_shared(self, tokens: int) -> bool:
+        """Whether a step of ``tokens`` tokens runs the shared expert inside the fused MoE (``fuse_shared_expert``):
+        every step, or those of at most ``fused_max_tokens`` tokens."""
+        return self.fused_shared > 0 and (not self.fused_max_tokens or tokens <= self.fused_max_tokens)
+
+    def side_expert(self, tokens: int) -> DenseMLP | None:
+        """The shared expert a step of ``tokens`` tokens runs apart: all of it, or in a fused step the rows that did
+        not join the routed experts (None: none)."""
+        return self.fused_rest if self.fuses_shared(tokens) else self.shared_expert
+
     def route(self, x: torch.Tensor, partials: RouterPartials | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(weights float32 [T, k], ids int32 [T, k], shared-expert gate logit [T, 1] or None)`` for the
-        tokens ``x``; the gate logit is there when the router's GEMM computed it. With the shared expert fused
-        (``fuse_shared_expert``), ``k`` grows by its pieces: ids ``E ..``, weights its gate (or 1). ``partials``:
-        the router's partial sums for ``x``, already computed (:meth:`add_norm_route_partials`)."""
+        tokens ``x``; the gate logit is there when the router's GEMM computed it. In a step that fuses the shared
+        expert (``fuses_shared``), ``k`` grows by its pieces: ids ``E ..``, weights its gate (or 1); the gate logit
+        is then there only for the rows left apart. ``partials``: the router's partial sums for ``x``, already
+        computed (:meth:`add_norm_route_partials`)."""
+        fused = self.fused_shared if self.fuses_shared(x.shape[0]) else 0
+        apart = (self.fused_rest if fused else self.shared_expert) is not None
         logits = partials if partials is not None else self.router_logits(x)
         if isinstance(logits, RouterPartials):  # the routing kernel adds them up and writes the logits
-            weights, ids, logits = self.router.route_partials(logits, self.num_experts, shared=self.fused_shared,
+            weights, ids, logits = self.router.route_partials(logits, self.num_experts, shared=fused,
                                                               gated=self.shared_gate_in_router)
-            if self.fused_shared and self.shared_expert is None:
+            if fused and not apart:
                 return weights, ids, None
             e = self.num_experts
             return weights, ids, logits[:, e:e + 1] if self.shared_gate_in_router else None
         gate_logit = None
         if self.shared_gate_in_router:
             logits, gate_logit = logits[:, :self.num_experts], logits[:, self.num_experts:self.num_experts + 1]
-        rest_gate = gate_logit if self.shared_expert is not None else None  # for the rows not fused
-        if self.fused_shared and self.router is not None and self.router.appends_shared:
-            return (*self.router(logits, self.correction_bias, shared=self.fused_shared,
-                                 gated=gate_logit is not None), rest_gate)
+        rest_gate = gate_logit if apart else None  # for the rows not fused
+        if fused and self.router is not None and self.router.appends_shared:
+            return (*self.router(logits, self.correction_bias, shared=fused, gated=gate_logit is not None),
+                    rest_gate)
         if self.router is not None:
             weights, ids = self.router(logits, self.correction_bias)
         else:
             weights, ids = select_experts(logits, self.routing, self.correction_bias)
-        if self.fused_shared:
-            return (*append_shared(weights, ids, gate_logit, self.num_experts, self.fused_shared), rest_gate)
+        if fused:
+            return (*append_shared(weights, ids, gate_logit, self.num_experts, fused), rest_gate)
         return weights, ids, gate_logit
 
     @torch.no_grad()
-    def fuse_shared_expert(self, pieces: int = 0) -> int:
+    def fuse_shared_expert(self, pieces: int = 0, max_tokens: int = 0) -> int:
         """Append the shared expert to the routed experts as ``ceil(S / I)`` pieces of the expert intermediate
         size ``I`` (the last zero-padded; SwiGLU acts row by row, so the pieces' outputs sum to the shared
         expert's), chosen for every token with its gate as weight (1 without a gate). ``pieces`` (fewer than
         that; 0: all): only the first ``pieces * I`` rows join the routed experts, and the rest stay a shared
-        expert of ``S - pieces * I`` rows, computed apart and gated as before. Returns the pieces appended."""
+        expert of ``S - pieces * I`` rows, computed apart and gated as before. ``max_tokens``: only steps of at
+        most that many tokens run it so; larger ones run the whole shared expert apart, as unfused, from its own
+        weights, which are kept (the pieces are a copy); 0: every step. Returns the pieces appended."""
         if self.shared_expert is None or self.fused_shared:
             return self.fused_shared
         if self.w13_order != "gate_up":
@@ -259,8 +276,11 @@ class SparseMoE(nn.Module):
         w2 = down.view(h, pieces, i).transpose(0, 1)  # [pieces, H, I]
         self.w13 = nn.Parameter(torch.cat([self.w13.data, w13.to(self.w13.dtype)]), requires_grad=False)
         self.w2 = nn.Parameter(torch.cat([self.w2.data, w2.to(self.w2.dtype)]).contiguous(), requires_grad=False)
-        self.shared_expert = rest
+        if not max_tokens:
+            self.shared_expert = rest  # no step runs all of it apart
+        self.fused_rest = rest
         self.fused_shared = pieces
+        self.fused_max_tokens = max_tokens
         return pieces
 
     def takes_norm(self) -> bool:
@@ -296,12 +316,13 @@ class SparseMoE(nn.Module):
         # layer waits on (c=1 step profile on an H200: the top-k kernel adding the router's partial sums 11 us per
         # layer there).
         weights, ids, gate_logit = self.route(x, partials)
-        if self.shared_expert is not None and stream is not None and x.shape[0] <= self.ops.side_stream_max_tokens:
+        side = self.side_expert(x.shape[0])
+        if side is not None and stream is not None and x.shape[0] <= self.ops.side_stream_max_tokens:
             stream.wait_stream(torch.cuda.current_stream())  # x and the routing are ready
             with torch.cuda.stream(stream):
-                shared = self._shared(x, None, stream)
-        if self.shared_expert is not None and shared is None:
-            shared = self._shared(x, gate_logit, None)
+                shared = self._shared(side, x, None, stream)
+        if side is not None and shared is None:
+            shared = self._shared(side, x, gate_logit, None)
         elif shared is not None and shared.gate_logit is None and gate_logit is not None:
             shared.gate_logit = gate_logit  # the router's GEMM computed the gate on this stream
         if self.moe_parallel is not None:  # dispatch to the ranks' experts, combine their partial sums
@@ -318,9 +339,10 @@ class SparseMoE(nn.Module):
             return out if shared is None else shared.add_to(out)
         return self.ops.moe.experts(x, weights, ids, self, shared=shared)
 
-    def _shared(self, x: torch.Tensor, gate_logit: torch.Tensor | None, stream) -> SharedExpertOutput:
-        """The shared expert's output and its gate logit (its own linear, or the router's extra row)."""
-        out = self.shared_expert(x)
+    def _shared(self, mlp: DenseMLP, x: torch.Tensor, gate_logit: torch.Tensor | None, stream) -> SharedExpertOutput:
+        """The output of the shared expert ``mlp`` (all of it, or its rows left apart) and its gate logit (its own
+        linear, or the router's extra row)."""
+        out = mlp(x)
         if self.shared_expert_gate is not None:
             gate_logit = self.shared_expert_gate(x)
         return SharedExpertOutput(out, gate_logit, stream)

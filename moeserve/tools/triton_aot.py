@@ -217,7 +217,7 @@ def meta_moe_layer(plan, device: torch.device | None = None):
     ops.moe_fuse_norm, ops.router_fuse_norm = fp["fuse_norm"], fp["router_fuse_norm"]
     layer = SparseMoE(ops, plan.arch, dtype, meta)
     if fp["fuse_shared_expert"]:
-        layer.fuse_shared_expert(fp.get("fuse_shared_expert_pieces", 0))
+        layer.fuse_shared_expert(fp.get("fuse_shared_expert_pieces", 0), fp.get("fuse_shared_expert_max_tokens", 0))
     if fp["routing"]:
         layer.router = TritonTopkRouter(plan.arch.routing, fp["router_split_k_max_tokens"])
         layer.routing_impl = TritonTopkRouter.name
@@ -236,7 +236,8 @@ def meta_linear_shapes(plan, fp: dict) -> list[tuple[int, int, bool, torch.dtype
     model = MoECausalLM(plan.arch, _meta_ops(plan, TorchMoE(meta, dtype)), dtype, meta)
     if fp["fuse_shared_expert"]:  # the shared expert's rows that stay apart are a linear of their own shape
         for block in model.moe_blocks():
-            block.fuse_shared_expert(fp.get("fuse_shared_expert_pieces", 0))
+            block.fuse_shared_expert(fp.get("fuse_shared_expert_pieces", 0),
+                                     fp.get("fuse_shared_expert_max_tokens", 0))
     for mod in model.modules():
         if isinstance(mod, Linear) and mod.weight_scale_inv is None:
             n, k = mod.weight.shape

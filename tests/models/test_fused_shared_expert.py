@@ -18,6 +18,9 @@ COS_FP32 = 0.99999  # float32: the pieces change only the order of the down proj
 
 
 def _engine(path, fused: bool, **kw):
+    """``fused``: every step runs the shared expert in the fused MoE; otherwise the steps of at most
+    ``moe_fuse_shared_expert_max_tokens`` tokens (0, none, unless given)."""
+    kw.setdefault("moe_fuse_shared_expert_max_tokens", 0)
     return LLM(model=str(path), dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
                moe_fuse_shared_expert=fused, **kw).engine
 
@@ -76,8 +79,55 @@ def test_fusing_is_refused_by_name_where_it_cannot_apply(tmp_path):
     make_checkpoint("qwen3_moe", tmp_path)
     with pytest.raises(ValueError, match="moe_fuse_shared_expert: the model has no shared expert"):
         _engine(tmp_path, True, device="cpu")
-    with pytest.raises(ValueError, match="moe_fuse_shared_expert_pieces: set moe_fuse_shared_expert: true"):
+    with pytest.raises(ValueError, match="moe_fuse_shared_expert_pieces: set moe_fuse_shared_expert: true or "
+                                         "moe_fuse_shared_expert_max_tokens above 0"):
         _engine(tmp_path, False, device="cpu", moe_fuse_shared_expert_pieces=2)
+    # the default (small steps fused where it applies) passes over a model it does not apply to
+    llm = LLM(model=str(tmp_path), dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+              device="cpu")
+    assert llm.engine.runner.plan.fused_shared_expert_steps is None
+    assert all(b.fused_shared == 0 for b in llm.engine.runner.model.moe_blocks())
+
+
+@pytest.mark.parametrize("pieces,max_tokens", [(0, 1), (2, 4)])
+def test_small_steps_fuse_the_shared_expert_and_larger_ones_run_it_apart(tmp_path, pieces, max_tokens):
+    """``moe_fuse_shared_expert_max_tokens`` (default 1): steps of at most that many tokens take the shared expert
+    in the fused MoE (all of it, or ``pieces`` of it with the rest apart), larger ones run the whole shared expert
+    apart from its own weights, which stay as loaded; every step size computes the unfused block."""
+    make_checkpoint("qwen2_moe", tmp_path)  # a gated shared expert of 80 rows over experts of 32: three pieces
+    plain = _engine(tmp_path, False, device="cpu")
+    kw = {"moe_fuse_shared_expert_pieces": pieces} if pieces else {}
+    small = _engine(tmp_path, False, device="cpu", moe_fuse_shared_expert_max_tokens=max_tokens, **kw)
+    assert small.runner.plan.fused_shared_expert_steps == max_tokens
+    a, b = plain.runner.model.moe_blocks()[0], small.runner.model.moe_blocks()[0]
+    n = pieces or 3
+    assert b.fused_shared == n and b.fused_max_tokens == max_tokens and b.w13.shape[0] == a.w13.shape[0] + n
+    assert b.shared_expert.intermediate == 80  # the whole shared expert, for the larger steps
+    torch.testing.assert_close(b.shared_expert.down_proj.weight, a.shared_expert.down_proj.weight, rtol=0, atol=0)
+    assert (b.fused_rest is None) == (not pieces)
+    x = torch.randn(9, a.w13.shape[2], generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for t in (1, max_tokens, max_tokens + 1, 9):
+            w, ids, gate = b.route(x[:t])
+            fused = t <= max_tokens
+            assert ids.shape[1] == a.top_k + (n if fused else 0), t
+            assert b.fuses_shared(t) == fused and (gate is None) == (fused and not pieces), t
+            torch.testing.assert_close(b(x[:t]), a(x[:t]), rtol=1e-5, atol=1e-6)
+
+
+def test_the_default_engine_follows_the_unfused_one(tmp_path):
+    """One request decodes in one-token steps, fused by default; three decode in steps of three, which
+    ``moe_fuse_shared_expert_max_tokens: 4`` fuses and whose prefill it does not."""
+    make_checkpoint("qwen2_moe", tmp_path)
+    default = LLM(model=str(tmp_path), dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+                  device="cpu").engine
+    assert default.runner.plan.fused_shared_expert_steps == 1
+    r = lockstep(default, _engine(tmp_path, False, device="cpu"), [[5, 9, 31, 77, 120, 3]], 8)
+    assert r.agreement == 1.0 and r.worst > COS_FP32, (r.agreement, r.worst)
+    prompts = [[5, 9, 31, 77, 120, 3], [200, 17, 4], list(range(40, 61))]
+    four = _engine(tmp_path, False, device="cpu", moe_fuse_shared_expert_max_tokens=4)
+    r = lockstep(four, _engine(tmp_path, False, device="cpu"), prompts, 8)
+    assert r.agreement == 1.0 and r.worst > COS_FP32, (r.agreement, r.worst)
 
 
 gpu = pytest.mark.gpu
@@ -86,13 +136,15 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("pieces", [0, 1])
-def test_fused_shared_expert_on_the_gpu_follows_the_unfused_engine(tmp_path, pieces):
+@pytest.mark.parametrize("pieces,max_tokens", [(0, 0), (1, 0), (0, 4)])
+def test_fused_shared_expert_on_the_gpu_follows_the_unfused_engine(tmp_path, pieces, max_tokens):
     """The Triton router appends the gated shared columns, the Triton MoE runs E + 2 experts (one-token steps
     pairwise, larger ones aligned), CUDA graphs on (bfloat16: FlashInfer's attention); against the unfused
     engine on the same backends. ``pieces`` 1: one of the two pieces joins, the other half of the shared expert
-    runs apart on the side stream, gated by the router's column. A small KV cache each, so the two engines leave
-    the GPU to later tests."""
+    runs apart on the side stream, gated by the router's column. ``max_tokens`` 4: only steps of at most 4 tokens
+    (the decode graphs of 1, 2 and 4) fuse it, the graph of 8 and the prefill run it apart beside the routed
+    experts, which the Triton MoE still reads from the tensor of E + 2. A small KV cache each, so the two
+    engines leave the GPU to later tests."""
     from moeserve.config import make_config
     from moeserve.engine.engine import LLMEngine
     make_checkpoint("qwen2_moe", tmp_path, seed=1, hidden_size=512, num_attention_heads=4, num_key_value_heads=4,
@@ -102,12 +154,17 @@ def test_fused_shared_expert_on_the_gpu_follows_the_unfused_engine(tmp_path, pie
     def engine(fused: bool):
         return LLMEngine(make_config(model=str(tmp_path), dtype="bfloat16", device="cuda", page_size=16,
                                      max_num_batched_tokens=96, num_kv_pages=48, max_model_len=384, max_num_seqs=8,
-                                     cuda_graph_batch_sizes=[1, 2, 4, 8], moe_fuse_shared_expert=fused,
-                                     moe_fuse_shared_expert_pieces=pieces))
+                                     cuda_graph_batch_sizes=[1, 2, 4, 8],
+                                     moe_fuse_shared_expert=fused and not max_tokens,
+                                     moe_fuse_shared_expert_max_tokens=max_tokens if fused else 0,
+                                     moe_fuse_shared_expert_pieces=pieces if fused else 0))
     fast, ref = engine(True), engine(False)
     block = fast.runner.model.moe_blocks()[0]
     assert fast.runner.backend_names["moe"] == "triton" and block.router is not None and block.router.appends_shared
-    if pieces:
+    assert ref.runner.model.moe_blocks()[0].fused_shared == 0
+    if max_tokens:
+        assert block.fused_shared == 2 and block.fused_max_tokens == 4 and block.shared_expert.intermediate == 256
+    elif pieces:
         assert block.fused_shared == 1 and block.shared_expert.intermediate == 128
     else:
         assert block.fused_shared == 2 and block.shared_expert is None
