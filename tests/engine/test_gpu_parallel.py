@@ -44,8 +44,10 @@ def prompts(vocab: int, seed: int):
     ("qwen3_moe", GPU_QWEN3, "triton", False, "auto"),
     ("qwen3_moe", GPU_QWEN3, "triton", True, "allreduce"),
     ("qwen3_moe", GPU_QWEN3, "triton", True, "allgather_reducescatter"),
-    ("qwen3_moe", GPU_QWEN3, "flashinfer", False, "auto"),  # cutlass_fused_moe with tp_size/tp_rank
-    ("qwen3_moe", GPU_QWEN3, "flashinfer", True, "allreduce"),  # cutlass_fused_moe with ep_size/ep_rank
+    pytest.param("qwen3_moe", GPU_QWEN3, "flashinfer", False, "auto",  # cutlass_fused_moe with tp_size/tp_rank
+                 id="qwen3_moe-flashinfer_cutlass-tp"),
+    pytest.param("qwen3_moe", GPU_QWEN3, "flashinfer", True, "allreduce",  # cutlass_fused_moe with ep_size/ep_rank
+                 id="qwen3_moe-flashinfer_cutlass-ep"),
     ("qwen2_moe", GPU_QWEN2, "triton", True, "allreduce"),  # shared expert (side stream) + padded vocabulary
 ])
 def test_two_gpus_match_one(tmp_path, kind, shape, moe, ep, dispatch):

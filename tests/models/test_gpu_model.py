@@ -35,8 +35,10 @@ def engine(path, backends, eager, **options):
     return LLMEngine(cfg)
 
 
-@pytest.mark.parametrize("kind, shape, moe", [("qwen3_moe", GPU_QWEN3, "triton"), ("qwen2_moe", GPU_QWEN2, "triton"),
-                                              ("qwen3_moe", GPU_QWEN3, "flashinfer")])
+@pytest.mark.parametrize("kind, shape, moe", [
+    ("qwen3_moe", GPU_QWEN3, "triton"), ("qwen2_moe", GPU_QWEN2, "triton"),
+    # FlashInfer's CUTLASS MoE: its module is not in a bf16 kernel cache and takes many minutes to compile
+    pytest.param("qwen3_moe", GPU_QWEN3, "flashinfer", id="qwen3_moe-flashinfer_cutlass")])
 def test_fast_path_matches_torch_path(tmp_path, kind, shape, moe):
     make_checkpoint(kind, tmp_path, seed=1, **shape)
     fast = engine(tmp_path, {"attention": "flashinfer", "moe": moe, "norm": "flashinfer", "rope": "flashinfer",

@@ -46,6 +46,9 @@ def test_the_listed_parts_hold_the_selection_once():
     assert any(i.startswith("tests/models/test_gpu_model.py::") for i in ids)  # whole-model GPU tests are in it
     everything = [i for p in _listed("--all").values() for i in p]
     assert set(ids) < set(everything)
+    # the whole-model case on FlashInfer's CUTLASS MoE (a module of many minutes to compile) only with --all
+    cutlass_case = "tests/models/test_gpu_model.py::test_fast_path_matches_torch_path[qwen3_moe-flashinfer_cutlass]"
+    assert cutlass_case in everything and cutlass_case not in ids
 
 
 def test_a_part_outside_the_range_is_one_clear_line():
