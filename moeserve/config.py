@@ -220,6 +220,12 @@ class EngineConfig(_Strict):
         "6 percent faster except at four requests, 6 percent slower; at 2,048 up to 9 percent slower; at 4,096 and "
         "more 10 to 29 percent slower at one to four requests); the decode CUDA graphs of those step sizes are "
         "captured both ways")
+    attention_layer_kernel: bool = Field(
+        False, description="one-token decode steps on the one-kernel Triton decode path (attention_decode_triton_max_"
+        "tokens, one GPU, unquantised bf16/fp16 linears) run each layer's residual add and norm, QKV projection, "
+        "attention, output projection, residual add and post-attention norm and the router's GEMM in one "
+        "persistent Triton kernel, one program per SM with grid-wide barriers between its phases; false: those "
+        "six or more kernels one after another")
     # vLLM's VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD
     shared_expert_stream_max_tokens: int = Field(
         256, ge=0, description="steps of at most this many tokens run the shared expert on a second CUDA stream, "

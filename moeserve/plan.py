@@ -95,6 +95,15 @@ class RuntimePlan:
         return min(self.config.attention_decode_triton_max_tokens, self.max_step_tokens)
 
     @property
+    def layer_kernel(self) -> bool:
+        """Whether one-token decode steps run each layer's attention half in one persistent kernel
+        (``moeserve.ops.attention.layer_triton``, ``attention_layer_kernel``): on the one-kernel Triton decode
+        path, one rank, unquantised bf16/fp16 weights, no output-projection bias, not under torch.compile."""
+        return (self.config.attention_layer_kernel and self.triton_decode_max_tokens >= 1
+                and not self.parallel.is_parallel and self.quantization == "none" and not self.arch.o_bias
+                and self.dtype in (torch.bfloat16, torch.float16) and not self.config.torch_compile)
+
+    @property
     def moe_fuse_norm(self) -> bool:
         """Whether the MoE combine applies the next norm (``moe_fuse_norm``; where the MoE backend can,
         ``MoEBackend.fuses_norm``): unquantised experts of one rank, not under torch.compile."""
@@ -145,7 +154,7 @@ class RuntimePlan:
         fused = self.fused_shared_expert_steps
         return {"kernels": moe or routing or gemv > 0 or qkv, "moe": moe,
                 "routing": m.routing.method if routing else None, "fused_qkv": qkv,
-                "decode_max_tokens": self.triton_decode_max_tokens,
+                "decode_max_tokens": self.triton_decode_max_tokens, "layer_kernel": self.layer_kernel,
                 "gemv_max_tokens": gemv, "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
                 "fuse_shared_expert": fused is not None,
                 "fuse_shared_expert_pieces": self.config.moe_fuse_shared_expert_pieces if fused is not None else 0,

@@ -224,6 +224,8 @@ class ModelRunner:
         if self.plan.triton_decode_max_tokens:
             att.enable_triton_decode(self.plan.triton_decode_max_tokens, a.rotary_dim,
                                      self.cfg.attention_decode_triton_max_context)
+            if self.plan.layer_kernel:
+                att.enable_layer_kernel(a.hidden_size)
         return att
 
     def _num_kv_pages(self) -> int:

@@ -64,6 +64,15 @@ class Attention(nn.Module):
             k.view(t, self.num_kv_heads, self.head_dim), v.view(t, self.num_kv_heads, self.head_dim))
         return self.o_proj(o.view(t, self.q_size))
 
+    def takes_layer_kernel(self, tokens: int) -> bool:
+        """Whether a step of ``tokens`` tokens runs this layer's attention half in one kernel: the attention
+        backend's say (a one-token decode step, ``attention_layer_kernel``), plain 16-bit contiguous projection
+        weights of the activations' dtype, no output-projection bias, one rank."""
+        q, o = self.qkv_proj, self.o_proj
+        return (self.ops.attention.takes_layer_kernel(tokens) and q.weight_scale_inv is None and o.bias is None
+                and q.weight.dtype == o.weight.dtype and q.weight.dtype in (torch.bfloat16, torch.float16)
+                and q.weight.is_contiguous() and o.weight.is_contiguous() and not self.ops.parallel.is_parallel)
+
     def entries(self, prefix: str) -> dict[str, Entry]:
         w, qs, ks = self.qkv_proj.weight, self.q_size, self.kv_size
         sc = self.qkv_proj.weight_scale_inv
@@ -404,6 +413,8 @@ class DecoderLayer(nn.Module):
         follows this layer; where the MoE block takes it (``SparseMoE.takes_norm``), the output is that norm of
         the new residual and ``normed`` comes back True."""
         norm = self.ops.norm
+        if residual is not None and not normed and self.self_attn.takes_layer_kernel(hidden.shape[0]):
+            return self._forward_one_kernel(positions, hidden, residual, next_norm)
         if normed:
             h = hidden
         elif residual is None:
@@ -416,6 +427,24 @@ class DecoderLayer(nn.Module):
             return self.mlp.after_attention(h, residual, self.post_attention_layernorm, self.eps, next_norm)
         h, residual = norm.add_rmsnorm(h, residual, self.post_attention_layernorm, self.eps)
         return self.mlp(h), residual, False
+
+    def _forward_one_kernel(self, positions, hidden, residual, next_norm):
+        """:meth:`forward` of a one-token decode step whose attention half (residual add and norm, QKV, attention,
+        output projection, residual add and norm, and the router's GEMM where the routing kernel takes it) runs
+        in one kernel (``moeserve.ops.attention.layer_triton``)."""
+        attn, mlp = self.self_attn, self.mlp
+        moe = isinstance(mlp, SparseMoE)
+        router = mlp.gate.weight if moe and mlp.router_gemm_split(1) else None
+        h, parts = self.ops.attention.attention_half(
+            attn.layer_idx, hidden, residual, self.input_layernorm, attn.qkv_proj.weight, attn.qkv_proj.bias,
+            attn.o_proj.weight, self.post_attention_layernorm, self.eps, positions, attn.rope.cache,
+            attn.q_norm if attn.qk_norm else None, attn.k_norm if attn.qk_norm else None, router)
+        if not moe:
+            return mlp(h), residual, False
+        partials = RouterPartials(parts, router.shape[0], router.dtype) if parts is not None else None
+        if next_norm is not None and mlp.takes_norm():
+            return mlp(h, AddNorm(residual, next_norm, self.eps), partials), residual, True
+        return mlp(h, None, partials), residual, False
 
     def entries(self, prefix: str) -> dict[str, Entry]:
         e = {f"{prefix}.input_layernorm.weight": Entry(self.input_layernorm),

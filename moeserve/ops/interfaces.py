@@ -32,6 +32,11 @@ class AttentionBackend(ABC):
     def run_layer(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
         raise NotImplementedError(f"attention backend {self.name!r} cannot be captured in pieces")
 
+    def takes_layer_kernel(self, tokens: int) -> bool:
+        """Whether this step runs a layer's attention half in one kernel (``attention_half``; a backend that can
+        overrides both)."""
+        return False
+
     @abstractmethod
     def begin(self, inp) -> None:
         """Plan the step described by ``inp`` (``moeserve.ops.attention.AttentionInputs``)."""

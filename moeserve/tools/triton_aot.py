@@ -282,6 +282,42 @@ def launch_decode_kernel(plan, tokens: int = 1) -> torch.Tensor:
         scale=d ** -0.5, workspace=ws)
 
 
+def launch_layer_kernel(plan, moe_layer=None) -> None:
+    """The one-token attention half in one kernel (``moeserve.ops.attention.layer_triton``) as the engine launches
+    it for this plan, on ``meta`` tensors: with the router's GEMM for MoE layers whose routing kernel takes it
+    (then the routing kernel on its single partial sum, and the MoE layer after it), without for dense layers."""
+    from moeserve.models.parallel import local_heads
+    from moeserve.ops.attention.layer_triton import LayerWorkspace, attention_half
+    from moeserve.ops.moe.routing_config import RouterPartials
+    m, dev, dt = plan.arch, torch.device("meta"), plan.dtype
+    hq, hkv, _ = local_heads(m, plan.parallel)
+    d, h, i32 = m.head_dim, m.hidden_size, dict(dtype=torch.int32, device=dev)
+    ws = LayerWorkspace(h, hq, hkv, d, dt, dev, num_sms=132)
+    norm = (torch.ones(d, dtype=dt, device=dev), torch.ones(d, dtype=dt, device=dev)) if m.qk_norm else (None, None)
+    nqkv = (hq + 2 * hkv) * d
+    e = lambda *shape: torch.empty(*shape, dtype=dt, device=dev)  # noqa: E731
+    routers = set()
+    for i in range(m.num_layers):
+        if not m.layer_is_moe(i):
+            routers.add(None)
+        elif moe_layer is not None and moe_layer.router_gemm_split(1):
+            routers.add("router")
+        else:
+            routers.add(None)
+    for which in sorted(routers, key=str):
+        router = moe_layer.gate.weight if which else None
+        if router is not None and max(16, 1 << (router.shape[0] - 1).bit_length()) > ws.num_sms:
+            router = None
+        x, parts = attention_half(
+            e(1, h), e(1, h), e(h), e(nqkv, h), e(nqkv) if m.qkv_bias else None, e(h, hq * d), e(h),
+            m.rms_norm_eps, torch.zeros(1, **i32), torch.zeros((8, m.rotary_dim), dtype=torch.float32, device=dev),
+            hq, hkv, d, torch.zeros((2, 2, plan.config.page_size, hkv, d), dtype=plan.kv_dtype, device=dev),
+            torch.zeros(1, **i32), torch.zeros(1, **i32), torch.zeros(2, **i32), *norm, m.rms_norm_eps, d ** -0.5,
+            ws, router=router)
+        if parts is not None:
+            moe_layer(x, None, RouterPartials(parts, router.shape[0], router.dtype))
+
+
 def _pdl_step_sizes(pdl_bound: int, largest: int) -> list[int]:
     """Step sizes that cover a kernel compiled once for every step size (the token count is its grid) up to
     ``largest`` tokens: one token, and one past the PDL bound where steps go beyond it (launched without PDL)."""
@@ -306,8 +342,11 @@ def launch_every_kernel(plan, on_step=None) -> None:
             for tokens in _pdl_step_sizes(fp["pdl_max_tokens"], fp["decode_max_tokens"]):
                 on_step(tokens)
                 launch_decode_kernel(plan, tokens)
-        if fp["moe"] or fp["routing"]:
-            layer = meta_moe_layer(plan)
+        layer = meta_moe_layer(plan) if fp["moe"] or fp["routing"] else None
+        if fp.get("layer_kernel"):
+            on_step(1)
+            launch_layer_kernel(plan, layer)
+        if layer is not None:
             h = plan.arch.hidden_size
             norm_w = torch.empty(h, dtype=plan.dtype, device=meta)
             for tokens in range(1, plan.max_step_tokens + 1):

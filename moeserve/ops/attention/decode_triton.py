@@ -83,7 +83,8 @@ def qkv_decode_attention_kernel(
     g = tl.arange(0, G_PAD)
     gm = g < G
     qh = h * G + g
-    q1, q2, qr = _norm_rope_heads(src, qh, gm, q_norm_ptr, cos, sin, eps, cdt, D, ROT, HALF_PAD, REST_PAD, QK_NORM)
+    q1, q2, qr = _norm_rope_heads(src, qh, gm, q_norm_ptr, cos, sin, eps, cdt, D, ROT, HALF_PAD, REST_PAD, QK_NORM,
+                                  "")
     q1, q2, qr = q1.to(cdt), q2.to(cdt), qr.to(cdt)  # as the QKV kernel writes q
 
     # a decode step's token t is its request t (one load less in the chain before the first key)
@@ -124,7 +125,7 @@ def qkv_decode_attention_kernel(
         om = one < 1
         kh = h + one
         k1n, k2n, krn = _norm_rope_heads(src + HQ * D, kh, om, k_norm_ptr, cos, sin, eps, cdt, D, ROT, HALF_PAD,
-                                         REST_PAD, QK_NORM)
+                                         REST_PAD, QK_NORM, "")
         vn = tl.load(src + (HQ + HKV) * D + kh[:, None] * D + dd[None, :], mask=om[:, None] & (dd[None, :] < D),
                      other=0.0)
         page = tl.load(kv_indices_ptr + first_page + kv_pos // PAGE).to(tl.int64)

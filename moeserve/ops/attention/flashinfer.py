@@ -32,6 +32,7 @@ import torch
 from moeserve.kernel_cache import flashinfer_env  # noqa: F401
 from moeserve.kernel_cache.modules import DECODE_GEN, PREFILL_GEN, KernelModule, Target, dtype_arg, short_dtype
 from moeserve.ops.attention import AttentionInputs, AttentionSplit, decode_kernel_takes_rotary
+from moeserve.ops.eager import eager
 from moeserve.ops.interfaces import AttentionBackend
 from moeserve.ops.kv_cache import KVCache
 
@@ -77,6 +78,7 @@ class FlashInferAttention(AttentionBackend):
         self.split: AttentionSplit | None = None  # set while the engine captures piecewise CUDA graphs
         self.decode_ws = None  # with enable_triton_decode: decode steps of few tokens in one Triton kernel
         self.decode_variant = "flashinfer"  # how this step's decode runs: "triton" (decode_ws) or "flashinfer"
+        self.layer_ws = None  # with enable_layer_kernel: one-token steps' attention half in one kernel
 
     def enable_triton_decode(self, max_tokens: int, rotary_dim: int, max_context: int | None = None) -> bool:
         """Run decode steps of at most ``max_tokens`` tokens whose longest request holds at most ``max_context``
@@ -92,6 +94,40 @@ class FlashInferAttention(AttentionBackend):
         self.decode_ws = DecodeWorkspace(max_tokens, self.num_heads, self.num_kv_heads, d, self.device,
                                          max_context=max_context)
         return True
+
+    def enable_layer_kernel(self, hidden: int) -> bool:
+        """One-token decode steps on the Triton decode path may run a layer's attention half in one persistent
+        kernel (``moeserve.ops.attention.layer_triton``; the layer asks :meth:`takes_layer_kernel`). Needs
+        :meth:`enable_triton_decode` first and a program per kv head. Returns whether it is on."""
+        if self.decode_ws is None:
+            return False
+        from moeserve.ops.attention.layer_triton import LayerWorkspace, attention_half
+        ws = LayerWorkspace(hidden, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        if not ws.serves(self.num_kv_heads):
+            return False
+        self.layer_ws, self._attention_half = ws, attention_half
+        return True
+
+    def takes_layer_kernel(self, tokens: int) -> bool:
+        """Whether this step runs the attention half in one kernel: a one-token decode step on the Triton decode
+        path (not inside a piecewise capture)."""
+        return (tokens == 1 and self.layer_ws is not None and self.decode_variant == "triton" and self.split is None
+                and self.inp is not None and self.inp.is_decode)
+
+    @eager  # a custom kernel launch: torch.compile runs it eagerly
+    def attention_half(self, layer: int, hidden: torch.Tensor, residual: torch.Tensor, norm1: torch.Tensor,
+                       w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, w_o: torch.Tensor, norm2: torch.Tensor,
+                       eps: float, positions: torch.Tensor, cos_sin: torch.Tensor, q_norm: torch.Tensor | None,
+                       k_norm: torch.Tensor | None, router: torch.Tensor | None):
+        """``(post-attention norm, router partial sums or None)`` of a one-token step's layer ``layer``;
+        ``residual`` updated in place (:func:`moeserve.ops.attention.layer_triton.attention_half`)."""
+        inp = self.inp
+        if router is not None and max(16, 1 << (router.shape[0] - 1).bit_length()) > self.layer_ws.num_sms:
+            router = None  # more router rows than programs: the MoE block computes its logits
+        return self._attention_half(hidden, residual, norm1, w_qkv, b_qkv, w_o, norm2, eps, positions, cos_sin,
+                                    self.num_heads, self.num_kv_heads, self.head_dim, self.kv.layer(layer),
+                                    inp.token_positions, inp.kv_indices, inp.kv_indptr, q_norm, k_norm, eps,
+                                    self.scale, self.layer_ws, router=router)
 
     def _decode_variant(self, tokens: int, inp: AttentionInputs) -> str:
         ws = self.decode_ws

@@ -24,17 +24,19 @@ from moeserve.ops.pdl_triton import wait_prior
 
 @triton.jit
 def _norm_rope_heads(src, heads, hmask, w_ptr, cos, sin, eps, out_dtype: tl.constexpr, D: tl.constexpr,
-                     ROT: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, QK_NORM: tl.constexpr):
-    """The rotated halves and the unrotated rest of ``[H_PAD]`` heads of ``D`` at ``src`` (float32, masked)."""
+                     ROT: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, QK_NORM: tl.constexpr,
+                     CACHE: tl.constexpr):
+    """The rotated halves and the unrotated rest of ``[H_PAD]`` heads of ``D`` at ``src`` (float32, masked);
+    ``CACHE``: the loads' cache modifier (``".cg"`` where another program of the kernel wrote ``src``)."""
     HALF: tl.constexpr = ROT // 2
     d = tl.arange(0, HALF_PAD)
     r = tl.arange(0, REST_PAD)
     m = hmask[:, None] & (d[None, :] < HALF)
     mr = hmask[:, None] & (r[None, :] < D - ROT)
     row = src + heads[:, None] * D
-    x1 = tl.load(row + d[None, :], mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(row + HALF + d[None, :], mask=m, other=0.0).to(tl.float32)
-    xr = tl.load(row + ROT + r[None, :], mask=mr, other=0.0).to(tl.float32)
+    x1 = tl.load(row + d[None, :], mask=m, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    x2 = tl.load(row + HALF + d[None, :], mask=m, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    xr = tl.load(row + ROT + r[None, :], mask=mr, other=0.0, cache_modifier=CACHE).to(tl.float32)
     if QK_NORM:
         ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(xr * xr, axis=1)
         inv = (1.0 / tl.sqrt(ss / D + eps))[:, None]
@@ -90,7 +92,7 @@ def qkv_rope_append_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_out_ptr, cache_ptr, 
         qh = tl.arange(0, HQ_PAD)
         qm = qh < HQ
         q1, q2, qr = _norm_rope_heads(src, qh, qm, q_norm_ptr, cos, sin, eps, out_dtype, D, ROT, HALF_PAD,
-                                      REST_PAD, QK_NORM)
+                                      REST_PAD, QK_NORM, "")
         _store_heads(q_out_ptr + t * stride_qo, D, qh, qm, q1, q2, qr, D, ROT, HALF_PAD, REST_PAD)
     else:
         kh = tl.arange(0, HKV_PAD)
@@ -100,7 +102,7 @@ def qkv_rope_append_kernel(qkv_ptr, pos_ptr, cos_sin_ptr, q_out_ptr, cache_ptr, 
         page = tl.load(kv_indices_ptr + tl.load(kv_indptr_ptr + b) + p // PAGE).to(tl.int64)
         slot = cache_ptr + page * stride_page + (p % PAGE).to(tl.int64) * stride_slot
         k1, k2, kr = _norm_rope_heads(src + HQ * D, kh, km, k_norm_ptr, cos, sin, eps, out_dtype, D, ROT,
-                                      HALF_PAD, REST_PAD, QK_NORM)
+                                      HALF_PAD, REST_PAD, QK_NORM, "")
         _store_heads(slot, stride_head, kh, km, k1, k2, kr, D, ROT, HALF_PAD, REST_PAD)
         dd = tl.arange(0, D_PAD)
         mv = km[:, None] & (dd[None, :] < D)

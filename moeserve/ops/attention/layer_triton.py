@@ -1,0 +1,399 @@
+"""A one-token decode step's attention half in one persistent Triton kernel: the residual add and input norm, the
+QKV projection, rotary embedding and KV append, split-KV attention, the merge of its splits, the output
+projection, the residual add and post-attention norm, and the router's GEMM.
+
+Launched kernel by kernel, that half of a layer is a chain of six or more latency-bound kernels (add + RMSNorm,
+QKV GEMV, attention, output GEMV, add + RMSNorm, the router's partial sums), each waiting for the one before and
+each too short to reach the memory bandwidth: in a c=1 step of Qwen1.5-MoE on an H200 it took 28.4 us a layer
+against 9.1 us of reads. Here one program per SM runs four phases separated by grid-wide barriers (an arrival
+counter and a generation word; every program is resident at once, as the grid is the SM count and a program
+fits an SM):
+
+0. every program adds the residual, norms it (each its own copy, ``xn``) and computes its contiguous share of
+   the QKV rows (a GEMV, bias added);
+1. program ``(kv head h, split s)`` rotates q and k, attends over split ``s`` of the cached keys (the program whose
+   split holds the new position also attends to the new key and writes the new key and value into the cache)
+   and writes its partial (running max, sum and unnormalised output, float32); the last split of a kv head to
+   finish (a counter per kv head, back at zero after) merges that head's partials into the attention output;
+2. every program computes its share of the output projection's rows;
+3. every program adds the residual and norms again, writes its slice of the new residual and of the norm, and
+   program ``r`` computes router row ``r``'s logit (one partial sum, as ``routing_triton.router_partials`` gives).
+
+``PHASE`` 0-3 compiles a single phase and no barrier: launched one after another they compute the same thing
+(what the Triton interpreter, which runs programs one at a time, tests on the CPU). Numerics follow the
+kernel-by-kernel path: FlashInfer's fused add + RMSNorm (the sum in float32, the residual rounded, the norm of
+the float32 sum times the float32 weight rounded once), the GEMV (float32 accumulation, bias, rounded), the
+one-kernel decode attention (``decode_triton``). ``attention_half_reference`` is the computation in torch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moeserve.ops.attention import decode_kernel_takes_rotary
+from moeserve.ops.attention.decode_triton import LOG2E, _dot_halves, decode_attention_reference
+from moeserve.ops.attention.qkv_triton import _norm_rope_heads, _store_heads
+from moeserve.ops.pdl import launch_kwargs
+from moeserve.ops.pdl_triton import let_next_start, wait_prior
+
+MAX_SPLITS = 16
+BLOCK_KEYS = 64
+
+
+@triton.jit
+def _grid_sync(sync_ptr, nprog, ON: tl.constexpr):
+    """Every program of the grid waits here until all have arrived; their earlier writes are then visible.
+    ``sync_ptr``: [arrivals, generation], arrivals zero between barriers."""
+    if ON:
+        tl.debug_barrier()  # every thread's writes are issued before the arrival
+        gen = tl.atomic_add(sync_ptr + 1, 0, sem="relaxed")
+        arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel")
+        if arrived == nprog - 1:
+            tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
+            tl.atomic_add(sync_ptr + 1, 1, sem="release")
+        else:
+            cur = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+            while cur == gen:
+                cur = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+        tl.debug_barrier()
+
+
+@triton.jit
+def _clock(t_ptr, k: tl.constexpr, ON: tl.constexpr):
+    """With ``ON``: this SM's cycle counter into slot ``k`` of this program's timing row (``scripts/
+    layer_kernel_bench.py --timing``)."""
+    if ON:
+        c = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(t_ptr + k, c)
+
+
+@triton.jit
+def _gemv_rows(w_ptr, b_ptr, x_ptr, y_ptr, lo, hi, K: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
+               HAS_BIAS: tl.constexpr, XCACHE: tl.constexpr):
+    """``y[r] = w[r, :] . x (+ b[r])`` for rows ``lo <= r < hi`` (at most ``ROWS``), float32 accumulation; ``x``
+    is this program's own copy (written by it before a CTA barrier), or with ``XCACHE=".cg"`` one other programs
+    wrote before a grid barrier."""
+    rows = lo + tl.arange(0, ROWS)
+    rm = rows < hi
+    kk = tl.arange(0, BK)
+    c = tl.arange(0, 16)
+    acc = tl.zeros((ROWS, 16), dtype=tl.float32)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
+    for k in range(0, K, BK):
+        if K % BK == 0:
+            w = tl.load(w_rows + (k + kk)[None, :], mask=rm[:, None], other=0.0)
+            xt = tl.load(x_ptr + (k + kk)[:, None] + c[None, :] * 0, mask=(c == 0)[None, :], other=0.0,
+                         cache_modifier=XCACHE)
+        else:
+            km = (k + kk) < K
+            w = tl.load(w_rows + (k + kk)[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            xt = tl.load(x_ptr + (k + kk)[:, None] + c[None, :] * 0, mask=(c == 0)[None, :] & km[:, None], other=0.0,
+                         cache_modifier=XCACHE)
+        acc = tl.dot(w, xt, acc=acc)
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=rm, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rm)
+
+
+@triton.jit(do_not_specialize=["nsplit"],
+            do_not_specialize_on_alignment=["pos_ptr", "kv_pos_ptr", "kv_indices_ptr", "kv_indptr_ptr"])
+def attention_half_kernel(
+        hid_ptr, res_ptr, out_ptr, norm1_ptr, wqkv_ptr, bqkv_ptr, wo_ptr, norm2_ptr, router_ptr, parts_ptr,
+        pos_ptr, cos_sin_ptr, cache_ptr, kv_pos_ptr, kv_indices_ptr, kv_indptr_ptr, q_norm_ptr, k_norm_ptr,
+        xn_ptr, xsum_ptr, qkv_ptr, part_o_ptr, part_ml_ptr, ao_ptr, y_ptr, sync_ptr, counter_ptr,
+        stride_cs, stride_page, stride_kv, stride_slot, stride_head, eps, qk_eps, scale_log2, nsplit, router_rows,
+        H: tl.constexpr, H_PAD: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+        ROT: tl.constexpr, PAGE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr,
+        HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, QK_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+        QKV_ROWS: tl.constexpr, QKV_BK: tl.constexpr, O_ROWS: tl.constexpr, O_BK: tl.constexpr,
+        SPLIT_PAD: tl.constexpr, BLOCK: tl.constexpr, ROUTER_N: tl.constexpr,
+        PHASE: tl.constexpr = -1, PDL: tl.constexpr = False, TIMING: tl.constexpr = False, t_ptr=None):
+    FUSED: tl.constexpr = PHASE < 0
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
+    HQD: tl.constexpr = HQ * D
+    cdt = cache_ptr.dtype.element_ty
+    hv = tl.arange(0, H_PAD)
+    hm = hv < H
+    if TIMING:
+        t_ptr += pid * 8
+    _clock(t_ptr, 0, TIMING)
+
+    # ---- phase 0: residual add + input norm, QKV rows ------------------------------------------------------
+    if FUSED or PHASE == 0:
+        wait_prior(PDL, False)
+        _clock(t_ptr, 1, TIMING)
+        x = (tl.load(hid_ptr + hv, mask=hm, other=0.0).to(tl.float32)
+             + tl.load(res_ptr + hv, mask=hm, other=0.0).to(tl.float32))
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+        w1 = tl.load(norm1_ptr + hv, mask=hm, other=0.0).to(tl.float32)
+        my_xn = xn_ptr + pid * H
+        tl.store(my_xn + hv, (x * inv * w1).to(xn_ptr.dtype.element_ty), mask=hm)
+        if not FUSED:
+            if pid == 0:
+                tl.store(xsum_ptr + hv, x, mask=hm)
+        tl.debug_barrier()  # this program's copy of the norm is written before its GEMV reads it
+        _gemv_rows(wqkv_ptr, bqkv_ptr, my_xn, qkv_ptr, pid * NQKV // nprog, (pid + 1) * NQKV // nprog, H,
+                   QKV_ROWS, QKV_BK, HAS_BIAS, "")
+        _clock(t_ptr, 2, TIMING)
+    _grid_sync(sync_ptr, nprog, FUSED)
+    _clock(t_ptr, 3, TIMING)
+
+    # ---- phase 1: attention of (kv head, split); the last split of a head merges them ----------------------
+    if FUSED or PHASE == 1:
+        if pid < HKV * nsplit:
+            h = pid // nsplit
+            s = pid % nsplit
+            HALF: tl.constexpr = ROT // 2
+            HAS_REST: tl.constexpr = ROT < D
+            d = tl.arange(0, HALF_PAD)
+            r = tl.arange(0, REST_PAD)
+            dd = tl.arange(0, D_PAD)
+            pos = tl.load(pos_ptr).to(tl.int64)
+            cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0)
+            sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=d < HALF, other=0.0)
+            g = tl.arange(0, G_PAD)
+            gm = g < G
+            qh = h * G + g
+            q1, q2, qr = _norm_rope_heads(qkv_ptr, qh, gm, q_norm_ptr, cos, sin, qk_eps, cdt, D, ROT, HALF_PAD,
+                                          REST_PAD, QK_NORM, ".cg")
+            q1, q2, qr = q1.to(cdt), q2.to(cdt), qr.to(cdt)
+            kv_pos = tl.load(kv_pos_ptr)  # the request holds kv_pos + 1 keys, the newest from qkv
+            first_page = tl.load(kv_indptr_ptr)
+            per_split = tl.cdiv(tl.cdiv(kv_pos + 1, nsplit), BLOCK) * BLOCK
+            start = s * per_split
+            end = tl.minimum(start + per_split, kv_pos + 1)
+            stop = tl.minimum(end, kv_pos)
+            m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+            l_i = tl.zeros([G_PAD], tl.float32)
+            acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+            head = cache_ptr + h * stride_head
+            for n0 in range(start, stop, BLOCK):
+                n = n0 + tl.arange(0, BLOCK)
+                nm = n < stop
+                page = tl.load(kv_indices_ptr + first_page + n // PAGE, mask=nm, other=0).to(tl.int64)
+                row = head + page * stride_page + (n % PAGE).to(tl.int64) * stride_slot
+                k1 = tl.load(row[:, None] + d[None, :], mask=nm[:, None] & (d[None, :] < HALF), other=0.0)
+                k2 = tl.load(row[:, None] + HALF + d[None, :], mask=nm[:, None] & (d[None, :] < HALF), other=0.0)
+                if HAS_REST:
+                    kr = tl.load(row[:, None] + ROT + r[None, :], mask=nm[:, None] & (r[None, :] < D - ROT),
+                                 other=0.0)
+                else:
+                    kr = k1  # unused
+                v = tl.load(row[:, None] + stride_kv + dd[None, :], mask=nm[:, None] & (dd[None, :] < D), other=0.0)
+                sc = _dot_halves(q1, q2, qr, k1, k2, kr, HAS_REST) * scale_log2
+                sc = tl.where(nm[None, :], sc, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(sc - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(cdt), v)
+                m_i = m_new
+            if (start <= kv_pos) & (kv_pos < end):  # this split holds the new token: attend to it, then cache it
+                one = tl.arange(0, 2)
+                om = one < 1
+                kh = h + one
+                k1n, k2n, krn = _norm_rope_heads(qkv_ptr + HQ * D, kh, om, k_norm_ptr, cos, sin, qk_eps, cdt, D,
+                                                 ROT, HALF_PAD, REST_PAD, QK_NORM, ".cg")
+                vn = tl.load(qkv_ptr + (HQ + HKV) * D + kh[:, None] * D + dd[None, :],
+                             mask=om[:, None] & (dd[None, :] < D), other=0.0, cache_modifier=".cg")
+                page = tl.load(kv_indices_ptr + first_page + kv_pos // PAGE).to(tl.int64)
+                slot = cache_ptr + page * stride_page + (kv_pos % PAGE).to(tl.int64) * stride_slot
+                _store_heads(slot, stride_head, kh, om, k1n, k2n, krn, D, ROT, HALF_PAD, REST_PAD)
+                tl.store(slot + stride_kv + kh[:, None] * stride_head + dd[None, :], vn,
+                         mask=om[:, None] & (dd[None, :] < D))
+                k1v = tl.sum(k1n.to(cdt).to(tl.float32), axis=0)
+                k2v = tl.sum(k2n.to(cdt).to(tl.float32), axis=0)
+                sn = (tl.sum(q1.to(tl.float32) * k1v[None, :], axis=1)
+                      + tl.sum(q2.to(tl.float32) * k2v[None, :], axis=1))
+                if HAS_REST:
+                    krv = tl.sum(krn.to(cdt).to(tl.float32), axis=0)
+                    sn += tl.sum(qr.to(tl.float32) * krv[None, :], axis=1)
+                sn = sn * scale_log2
+                m_new = tl.maximum(m_i, sn)
+                alpha = tl.exp2(m_i - m_new)
+                pn = tl.exp2(sn - m_new)
+                l_i = l_i * alpha + pn
+                vv = tl.sum(vn.to(tl.float32), axis=0)
+                acc = acc * alpha[:, None] + pn.to(cdt).to(tl.float32)[:, None] * vv[None, :]
+                m_i = m_new
+            pidx = qh * nsplit + s  # partials: [HQ, nsplit] x (m, l) and x D
+            tl.store(part_ml_ptr + pidx * 2, m_i, mask=gm)
+            tl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=gm)
+            tl.store(part_o_ptr + pidx[:, None] * D + dd[None, :], acc, mask=gm[:, None] & (dd[None, :] < D))
+            # the last split of kv head h to finish merges its heads' splits into the output row
+            tl.debug_barrier()
+            done = tl.atomic_add(counter_ptr + h, 1, sem="acq_rel")
+            if done == nsplit - 1:
+                sp1 = tl.arange(0, SPLIT_PAD)
+                rows1 = qh[:, None] * nsplit + sp1[None, :]
+                mm1 = gm[:, None] & (sp1[None, :] < nsplit)
+                ms1 = tl.load(part_ml_ptr + rows1 * 2, mask=mm1, other=float("-inf"), cache_modifier=".cg")
+                ls1 = tl.load(part_ml_ptr + rows1 * 2 + 1, mask=mm1, other=0.0, cache_modifier=".cg")
+                os1 = tl.load(part_o_ptr + rows1[:, :, None] * D + dd[None, None, :],
+                              mask=mm1[:, :, None] & (dd[None, None, :] < D), other=0.0, cache_modifier=".cg")
+                big1 = tl.where(gm, tl.max(ms1, axis=1), 0.0)
+                w1s = tl.exp2(ms1 - big1[:, None])
+                tot1 = tl.where(gm, tl.sum(w1s * ls1, axis=1), 1.0)
+                mer1 = tl.sum(w1s[:, :, None] * os1, axis=1) / tot1[:, None]
+                tl.store(ao_ptr + qh[:, None] * D + dd[None, :], mer1.to(ao_ptr.dtype.element_ty),
+                         mask=gm[:, None] & (dd[None, :] < D))
+                tl.atomic_xchg(counter_ptr + h, 0)  # ready for the next launch
+        _clock(t_ptr, 4, TIMING)
+    _grid_sync(sync_ptr, nprog, FUSED)
+    _clock(t_ptr, 5, TIMING)
+
+    # ---- phase 2: output projection rows --------------------------------------------------------------------
+    if FUSED or PHASE == 2:
+        _gemv_rows(wo_ptr, wo_ptr, ao_ptr, y_ptr, pid * H // nprog, (pid + 1) * H // nprog, HQD, O_ROWS, O_BK, False,
+                   ".cg")
+        _clock(t_ptr, 6, TIMING)
+    _grid_sync(sync_ptr, nprog, FUSED)
+    _clock(t_ptr, 7, TIMING)
+
+    # ---- phase 3: residual add + post-attention norm, the router's logits -----------------------------------
+    if FUSED or PHASE == 3:
+        let_next_start(PDL)
+        if not FUSED:
+            x = tl.load(xsum_ptr + hv, mask=hm, other=0.0)
+        y = tl.load(y_ptr + hv, mask=hm, other=0.0, cache_modifier=".cg").to(tl.float32)
+        x2 = y + x.to(res_ptr.dtype.element_ty).to(tl.float32)  # the residual as phase 0 left it, rounded
+        inv2 = 1.0 / tl.sqrt(tl.sum(x2 * x2, axis=0) / H + eps)
+        w2 = tl.load(norm2_ptr + hv, mask=hm, other=0.0).to(tl.float32)
+        h2 = (x2 * inv2 * w2).to(out_ptr.dtype.element_ty)
+        mine = hm & (hv >= pid * H // nprog) & (hv < (pid + 1) * H // nprog)
+        tl.store(res_ptr + hv, x2.to(res_ptr.dtype.element_ty), mask=mine)
+        tl.store(out_ptr + hv, h2, mask=mine)
+        if ROUTER_N > 0:
+            if pid < ROUTER_N:
+                wr = tl.load(router_ptr + pid * H + hv, mask=hm & (pid < router_rows), other=0.0).to(tl.float32)
+                tl.store(parts_ptr + pid, tl.sum(wr * h2.to(tl.float32), axis=0))
+
+
+class LayerWorkspace:
+    """The scratch buffers and barrier words of :func:`attention_half` (fixed buffers: CUDA graphs replay against
+    them), for one model's attention shapes on a GPU of ``num_sms`` SMs (the grid)."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, num_sms: int | None = None):
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+        self.num_sms = num_sms
+        self.nsplit = max(1, min(MAX_SPLITS, num_sms // num_kv_heads))
+        self.hidden, self.num_heads, self.num_kv_heads, self.head_dim = hidden, num_heads, num_kv_heads, head_dim
+        f32 = dict(dtype=torch.float32, device=device)
+        self.xn = torch.empty((num_sms, hidden), dtype=dtype, device=device)
+        self.xsum = torch.empty(hidden, **f32)
+        self.qkv = torch.empty((num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)
+        self.part_o = torch.empty(num_heads * self.nsplit * head_dim, **f32)
+        self.part_ml = torch.empty(num_heads * self.nsplit * 2, **f32)
+        self.ao = torch.empty(num_heads * head_dim, dtype=dtype, device=device)
+        self.y = torch.empty(hidden, dtype=dtype, device=device)
+        self.sync = torch.zeros(2, dtype=torch.int32, device=device)
+        self.counter = torch.zeros(num_kv_heads, dtype=torch.int32, device=device)  # splits done, per kv head
+
+    def serves(self, num_kv_heads: int) -> bool:
+        """Whether every (kv head, split) has a program: at least one per kv head."""
+        return num_kv_heads <= self.num_sms
+
+
+def layer_config(hidden: int, nqkv: int, hqd: int, num_sms: int) -> dict:
+    """Tiles: each program's share of the QKV and output rows in one tile (at least 16 rows, the smallest
+    ``tl.dot``), K tiles of 256 and 512."""
+    p2 = triton.next_power_of_2
+    return {"QKV_ROWS": max(16, p2(-(-nqkv // num_sms))), "QKV_BK": min(256, p2(hidden)),
+            "O_ROWS": max(16, p2(-(-hidden // num_sms))), "O_BK": min(512, p2(hqd)), "num_warps": 4,
+            "num_stages": 3}
+
+
+def attention_half(hidden: torch.Tensor, residual: torch.Tensor, norm1: torch.Tensor, w_qkv: torch.Tensor,
+                   b_qkv: torch.Tensor | None, w_o: torch.Tensor, norm2: torch.Tensor, eps: float,
+                   positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                   cache: torch.Tensor, kv_positions: torch.Tensor, kv_indices: torch.Tensor,
+                   kv_indptr: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                   qk_eps: float, scale: float, workspace: LayerWorkspace, router: torch.Tensor | None = None,
+                   phased: bool = False, config: dict | None = None, timing: torch.Tensor | None = None):
+    """A one-token decode step's attention half: ``(h, parts)`` where ``h [1, H]`` is the post-attention norm of
+    the new residual, which is written into ``residual`` in place, and ``parts [1, 1, N2]`` float32 are the
+    router's logits ``h . router^T`` (``router [N, H]``; None without a router) as a single partial sum.
+
+    ``hidden`` and ``residual`` ``[1, H]``: the layer's input before its residual add; ``w_qkv [(Hq + 2 Hkv) * D,
+    H]`` (+ ``b_qkv``), ``w_o [H, Hq * D]``, both contiguous in the model dtype; the attention's arguments as
+    for :func:`moeserve.ops.attention.decode_triton.qkv_decode_attention` (one request, its pages
+    ``kv_indices[kv_indptr[0]:]``). ``phased``: the four phases as four launches without barriers (the Triton
+    interpreter, tests). ``config``: tiles and options (:func:`layer_config`); ``timing``: an int64 ``[SMs, 8]``
+    tensor that gets each program's cycle counter at the phase boundaries (``scripts/layer_kernel_bench.py``)."""
+    h_size = hidden.shape[-1]
+    ws = workspace
+    nqkv = (num_heads + 2 * num_kv_heads) * head_dim
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("attention_half: q_norm and k_norm go together")
+    if cache.dim() != 5 or cache.shape[1] != 2 or tuple(cache.shape[3:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"attention_half: cache {tuple(cache.shape)} is not [pages, 2, page, Hkv, D]")
+    if cache.dtype != hidden.dtype or cache.stride(4) != 1 or ws.qkv.dtype != hidden.dtype:
+        raise ValueError(f"attention_half: cache and workspace must be {hidden.dtype} with contiguous heads")
+    if hidden.numel() != h_size or residual.shape != hidden.shape or w_qkv.shape != (nqkv, h_size):
+        raise ValueError(f"attention_half: one token of hidden {h_size} and a QKV weight [{nqkv}, {h_size}], got "
+                         f"hidden {tuple(hidden.shape)}, residual {tuple(residual.shape)}, weight {tuple(w_qkv.shape)}")
+    if w_o.shape != (h_size, num_heads * head_dim) or not (w_qkv.is_contiguous() and w_o.is_contiguous()):
+        raise ValueError(f"attention_half: output weight {tuple(w_o.shape)} is not a contiguous "
+                         f"[{h_size}, {num_heads * head_dim}]")
+    if num_heads % num_kv_heads or not decode_kernel_takes_rotary(head_dim, cos_sin.shape[1]):
+        raise ValueError("attention_half: query heads not a multiple of kv heads, or a rotary width it cannot take")
+    if (ws.hidden, ws.num_heads, ws.num_kv_heads, ws.head_dim) != (h_size, num_heads, num_kv_heads, head_dim):
+        raise ValueError("attention_half: the workspace was made for other shapes")
+    n = 0 if router is None else router.shape[0]
+    router_n = 0 if router is None else max(16, triton.next_power_of_2(n))
+    if router is not None and (router.shape[1] != h_size or router_n > ws.num_sms or not router.is_contiguous()):
+        raise ValueError(f"attention_half: router {tuple(router.shape)} needs at most {ws.num_sms} rows of {h_size}")
+    parts = torch.empty((1, 1, max(router_n, 1)), dtype=torch.float32, device=hidden.device)
+    out = torch.empty_like(hidden)
+    norm = q_norm is not None
+    rot = cos_sin.shape[1]
+    group = num_heads // num_kv_heads
+    p2 = triton.next_power_of_2
+    c = config or layer_config(h_size, nqkv, num_heads * head_dim, ws.num_sms)
+    args = (hidden, residual, out, norm1, w_qkv, b_qkv if b_qkv is not None else w_qkv, w_o, norm2,
+            router if router is not None else w_o, parts, positions, cos_sin, cache, kv_positions, kv_indices,
+            kv_indptr, q_norm if norm else w_o, k_norm if norm else w_o, ws.xn, ws.xsum, ws.qkv, ws.part_o,
+            ws.part_ml, ws.ao, ws.y, ws.sync, ws.counter, cos_sin.stride(0), cache.stride(0), cache.stride(1),
+            cache.stride(2), cache.stride(3), eps, qk_eps, scale * LOG2E, ws.nsplit, n)
+    kw = dict(H=h_size, H_PAD=p2(h_size), HQ=num_heads, HKV=num_kv_heads, D=head_dim, ROT=rot, PAGE=cache.shape[2],
+              G=group, G_PAD=max(16, p2(group)), D_PAD=p2(head_dim), HALF_PAD=max(16, p2(rot // 2)),
+              REST_PAD=max(16, p2(head_dim - rot)), QK_NORM=norm, HAS_BIAS=b_qkv is not None,
+              QKV_ROWS=c["QKV_ROWS"], QKV_BK=c["QKV_BK"], O_ROWS=c["O_ROWS"], O_BK=c["O_BK"],
+              SPLIT_PAD=max(2, p2(ws.nsplit)), BLOCK=BLOCK_KEYS,
+              ROUTER_N=router_n, num_warps=c["num_warps"],
+              num_stages=c["num_stages"])
+    if timing is not None:
+        kw.update(TIMING=True, t_ptr=timing)
+    grid = (ws.num_sms,)
+    if phased:
+        for phase in range(4):
+            attention_half_kernel[grid](*args, PHASE=phase, **kw)
+    else:
+        attention_half_kernel[grid](*args, **kw, **launch_kwargs(1))
+    return out, parts if router is not None else None
+
+
+def attention_half_reference(hidden, residual, norm1, w_qkv, b_qkv, w_o, norm2, eps, positions, cos_sin, num_heads,
+                             num_kv_heads, head_dim, cache, kv_positions, kv_indices, kv_indptr, q_norm, k_norm,
+                             qk_eps, scale, router=None):
+    """:func:`attention_half` in torch, kernel by kernel as the unfused path computes it: ``(h, logits or None)``;
+    ``residual`` and ``cache`` are updated in place."""
+    def add_norm(x, res, w):
+        s = x.float() + res.float()
+        res.copy_(s.to(res.dtype))
+        return (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+    x = add_norm(hidden.view(1, -1), residual.view(1, -1), norm1)
+    qkv = (x.float() @ w_qkv.float().T + (b_qkv.float() if b_qkv is not None else 0)).to(x.dtype)
+    o = decode_attention_reference(qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim, cache, kv_positions,
+                                   kv_indices, kv_indptr, q_norm, k_norm, qk_eps, scale)
+    y = (o.view(1, -1).float() @ w_o.float().T).to(x.dtype)
+    h = add_norm(y, residual.view(1, -1), norm2)
+    logits = None if router is None else h.float() @ router.float().T
+    return h, logits
