@@ -30,7 +30,7 @@ from moeserve.quant.fp8 import fp8_linear_reference
 
 GEMV_MAX_ROWS = 16  # rows of x one launch takes (tl.dot's smallest tile)
 GEMV_MIN_N = 256  # narrower weights (a router) leave most SMs idle in a GEMV: cuBLAS
-GEMV_MAX_N = 16384  # wider ones (the LM head) cuBLAS reads at the copy bandwidth (160 us against the GEMV's 197)
+GEMV_MAX_N = 16384  # wider ones (the LM head) stay on cuBLAS: ~4.4 TB/s in a step (docs/results/2026-12-03-h200-r)
 
 
 @triton.jit
