@@ -310,6 +310,12 @@ class SparseMoE(nn.Module):
             h, residual, partials = self.add_norm_route_partials(h, residual, norm_weight, eps)
         else:
             h, residual = self.ops.norm.add_rmsnorm(h, residual, norm_weight, eps)
+        return self.after_norm(h, residual, eps, next_norm, partials)
+
+    def after_norm(self, h: torch.Tensor, residual: torch.Tensor, eps: float, next_norm: torch.Tensor | None = None,
+                   partials: RouterPartials | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """:meth:`after_attention` from its post-attention norm ``h`` (``residual`` updated, ``partials`` the router's
+        partial sums of ``h`` where they were computed with it)."""
         if next_norm is not None and self.takes_norm():
             return self(h, AddNorm(residual, next_norm, eps), partials), residual, True
         return self(h, None, partials), residual, False
@@ -442,9 +448,7 @@ class DecoderLayer(nn.Module):
         if not moe:
             return mlp(h), residual, False
         partials = RouterPartials(parts, router.shape[0], router.dtype) if parts is not None else None
-        if next_norm is not None and mlp.takes_norm():
-            return mlp(h, AddNorm(residual, next_norm, self.eps), partials), residual, True
-        return mlp(h, None, partials), residual, False
+        return mlp.after_norm(h, residual, self.eps, next_norm, partials)
 
     def entries(self, prefix: str) -> dict[str, Entry]:
         e = {f"{prefix}.input_layernorm.weight": Entry(self.input_layernorm),

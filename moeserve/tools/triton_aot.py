@@ -296,26 +296,22 @@ def launch_layer_kernel(plan, moe_layer=None) -> None:
     norm = (torch.ones(d, dtype=dt, device=dev), torch.ones(d, dtype=dt, device=dev)) if m.qk_norm else (None, None)
     nqkv = (hq + 2 * hkv) * d
     e = lambda *shape: torch.empty(*shape, dtype=dt, device=dev)  # noqa: E731
-    routers = set()
-    for i in range(m.num_layers):
-        if not m.layer_is_moe(i):
-            routers.add(None)
-        elif moe_layer is not None and moe_layer.router_gemm_split(1):
-            routers.add("router")
-        else:
-            routers.add(None)
-    for which in sorted(routers, key=str):
-        router = moe_layer.gate.weight if which else None
-        if router is not None and max(16, 1 << (router.shape[0] - 1).bit_length()) > ws.num_sms:
-            router = None
+    # MoE layers hand the kernel their router where the routing kernel takes its GEMM and the kernel has programs
+    # enough for its rows (as DecoderLayer and the attention backend decide); dense layers never do
+    router = moe_layer.gate.weight if moe_layer is not None and moe_layer.router_gemm_split(1) else None
+    if router is not None and not ws.takes_router(router.shape[0]):
+        router = None
+    kinds = {router is not None and m.layer_is_moe(i) for i in range(m.num_layers)}
+    for with_router in sorted(kinds):
+        r = router if with_router else None
         x, parts = attention_half(
             e(1, h), e(1, h), e(h), e(nqkv, h), e(nqkv) if m.qkv_bias else None, e(h, hq * d), e(h),
             m.rms_norm_eps, torch.zeros(1, **i32), torch.zeros((8, m.rotary_dim), dtype=torch.float32, device=dev),
             hq, hkv, d, torch.zeros((2, 2, plan.config.page_size, hkv, d), dtype=plan.kv_dtype, device=dev),
             torch.zeros(1, **i32), torch.zeros(1, **i32), torch.zeros(2, **i32), *norm, m.rms_norm_eps, d ** -0.5,
-            ws, router=router)
+            ws, router=r)
         if parts is not None:
-            moe_layer(x, None, RouterPartials(parts, router.shape[0], router.dtype))
+            moe_layer(x, None, RouterPartials(parts, r.shape[0], r.dtype))
 
 
 def _pdl_step_sizes(pdl_bound: int, largest: int) -> list[int]:

@@ -53,48 +53,24 @@ def _dot_halves(q1, q2, qr, k1, k2, kr, HAS_REST: tl.constexpr):
     return s
 
 
-# (index tensors are slices of one packed buffer, as for the QKV kernel; ``nsplit`` is not specialised on, so one
-# compile serves every step size)
-@triton.jit(do_not_specialize=["nsplit"],
-            do_not_specialize_on_alignment=["pos_ptr", "kv_pos_ptr", "kv_indices_ptr", "kv_indptr_ptr"])
-def qkv_decode_attention_kernel(
-        qkv_ptr, pos_ptr, cos_sin_ptr, out_ptr, cache_ptr, kv_pos_ptr, kv_indices_ptr, kv_indptr_ptr,
-        q_norm_ptr, k_norm_ptr, part_o_ptr, part_ml_ptr, counter_ptr,
-        stride_qkv, stride_cs, stride_out, stride_page, stride_kv, stride_slot, stride_head, eps, scale_log2,
-        nsplit,
-        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, PAGE: tl.constexpr,
-        G: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
-        QK_NORM: tl.constexpr, BLOCK: tl.constexpr, SPLIT_PAD: tl.constexpr, G_MERGE: tl.constexpr,
-        PDL: tl.constexpr = False, MERGE: tl.constexpr = True):
-    wait_prior(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    s = tl.program_id(2)
+@triton.jit
+def _attend_split(q1, q2, qr, src, cos, sin, k_norm_ptr, eps, cache_ptr, kv_indices_ptr, first_page, kv_pos, start,
+                  end, h, stride_page, stride_kv, stride_slot, stride_head, scale_log2, HQ: tl.constexpr,
+                  HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, PAGE: tl.constexpr, G_PAD: tl.constexpr,
+                  D_PAD: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, QK_NORM: tl.constexpr,
+                  BLOCK: tl.constexpr, CACHE: tl.constexpr):
+    """``(running max, sum, unnormalised output)`` float32 of the queries of kv head ``h`` (``q1, q2, qr``: their
+    rotated halves and unrotated rest, ``[G_PAD, *]`` in the cache dtype) over positions ``[start, end)`` of one
+    request whose pages are ``kv_indices[first_page:]``: the cached keys from the cache, and the newest (position
+    ``kv_pos``, when the range holds it) from the QKV row ``src``, normed and rotated, written into its cache slot
+    and attended from registers. ``CACHE``: the cache modifier of the loads from ``src``."""
     HALF: tl.constexpr = ROT // 2
     HAS_REST: tl.constexpr = ROT < D
     cdt = cache_ptr.dtype.element_ty
     d = tl.arange(0, HALF_PAD)
     r = tl.arange(0, REST_PAD)
     dd = tl.arange(0, D_PAD)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=d < HALF, other=0.0)
-    src = qkv_ptr + t * stride_qkv
-    g = tl.arange(0, G_PAD)
-    gm = g < G
-    qh = h * G + g
-    q1, q2, qr = _norm_rope_heads(src, qh, gm, q_norm_ptr, cos, sin, eps, cdt, D, ROT, HALF_PAD, REST_PAD, QK_NORM,
-                                  "")
-    q1, q2, qr = q1.to(cdt), q2.to(cdt), qr.to(cdt)  # as the QKV kernel writes q
-
-    # a decode step's token t is its request t (one load less in the chain before the first key)
-    kv_pos = tl.load(kv_pos_ptr + t)  # the new token's position: the request holds kv_pos + 1 keys
-    first_page = tl.load(kv_indptr_ptr + t)
-    per_split = tl.cdiv(tl.cdiv(kv_pos + 1, nsplit), BLOCK) * BLOCK
-    start = s * per_split
-    end = tl.minimum(start + per_split, kv_pos + 1)
-    stop = tl.minimum(end, kv_pos)  # cached keys of this split (the new one comes from registers)
-
+    stop = tl.minimum(end, kv_pos)  # cached keys of the range (the new one comes from registers)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -125,9 +101,9 @@ def qkv_decode_attention_kernel(
         om = one < 1
         kh = h + one
         k1n, k2n, krn = _norm_rope_heads(src + HQ * D, kh, om, k_norm_ptr, cos, sin, eps, cdt, D, ROT, HALF_PAD,
-                                         REST_PAD, QK_NORM, "")
+                                         REST_PAD, QK_NORM, CACHE)
         vn = tl.load(src + (HQ + HKV) * D + kh[:, None] * D + dd[None, :], mask=om[:, None] & (dd[None, :] < D),
-                     other=0.0)
+                     other=0.0, cache_modifier=CACHE)
         page = tl.load(kv_indices_ptr + first_page + kv_pos // PAGE).to(tl.int64)
         slot = cache_ptr + page * stride_page + (kv_pos % PAGE).to(tl.int64) * stride_slot
         _store_heads(slot, stride_head, kh, om, k1n, k2n, krn, D, ROT, HALF_PAD, REST_PAD)
@@ -147,6 +123,80 @@ def qkv_decode_attention_kernel(
         vv = tl.sum(vn.to(tl.float32), axis=0)
         acc = acc * alpha[:, None] + pn.to(cdt).to(tl.float32)[:, None] * vv[None, :]
         m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _store_partial(part_o_ptr, part_ml_ptr, pidx, hmask, m_i, l_i, acc, D: tl.constexpr, D_PAD: tl.constexpr):
+    """One split's partial of the heads ``hmask``: (max, sum) at ``part_ml[pidx]``, the output at ``part_o[pidx]``."""
+    dd = tl.arange(0, D_PAD)
+    tl.store(part_ml_ptr + pidx * 2, m_i, mask=hmask)
+    tl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=hmask)
+    tl.store(part_o_ptr + pidx[:, None] * D + dd[None, :], acc, mask=hmask[:, None] & (dd[None, :] < D))
+
+
+@triton.jit
+def _merge_partials(part_o_ptr, part_ml_ptr, heads, hmask, nsplit, D: tl.constexpr, D_PAD: tl.constexpr,
+                    SPLIT_PAD: tl.constexpr):
+    """The attention output ``[*, D_PAD]`` float32 of the heads ``hmask`` whose ``nsplit`` partials are at rows
+    ``heads * nsplit + s``, every split read in one go (``.cg``: other programs wrote them)."""
+    sp = tl.arange(0, SPLIT_PAD)
+    dd = tl.arange(0, D_PAD)
+    rows = heads[:, None] * nsplit + sp[None, :]
+    mm = hmask[:, None] & (sp[None, :] < nsplit)
+    ms = tl.load(part_ml_ptr + rows * 2, mask=mm, other=float("-inf"), cache_modifier=".cg")
+    ls = tl.load(part_ml_ptr + rows * 2 + 1, mask=mm, other=0.0, cache_modifier=".cg")
+    os_ = tl.load(part_o_ptr + rows[:, :, None] * D + dd[None, None, :],
+                  mask=mm[:, :, None] & (dd[None, None, :] < D), other=0.0, cache_modifier=".cg")
+    big = tl.max(ms, axis=1)
+    big = tl.where(hmask, big, 0.0)  # padded rows: no split, no NaN
+    w = tl.exp2(ms - big[:, None])
+    total = tl.where(hmask, tl.sum(w * ls, axis=1), 1.0)
+    return tl.sum(w[:, :, None] * os_, axis=1) / total[:, None]
+
+
+# (index tensors are slices of one packed buffer, as for the QKV kernel; ``nsplit`` is not specialised on, so one
+# compile serves every step size)
+@triton.jit(do_not_specialize=["nsplit"],
+            do_not_specialize_on_alignment=["pos_ptr", "kv_pos_ptr", "kv_indices_ptr", "kv_indptr_ptr"])
+def qkv_decode_attention_kernel(
+        qkv_ptr, pos_ptr, cos_sin_ptr, out_ptr, cache_ptr, kv_pos_ptr, kv_indices_ptr, kv_indptr_ptr,
+        q_norm_ptr, k_norm_ptr, part_o_ptr, part_ml_ptr, counter_ptr,
+        stride_qkv, stride_cs, stride_out, stride_page, stride_kv, stride_slot, stride_head, eps, scale_log2,
+        nsplit,
+        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, PAGE: tl.constexpr,
+        G: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
+        QK_NORM: tl.constexpr, BLOCK: tl.constexpr, SPLIT_PAD: tl.constexpr, G_MERGE: tl.constexpr,
+        PDL: tl.constexpr = False, MERGE: tl.constexpr = True):
+    wait_prior(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    HALF: tl.constexpr = ROT // 2
+    cdt = cache_ptr.dtype.element_ty
+    d = tl.arange(0, HALF_PAD)
+    dd = tl.arange(0, D_PAD)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=d < HALF, other=0.0)
+    src = qkv_ptr + t * stride_qkv
+    g = tl.arange(0, G_PAD)
+    gm = g < G
+    qh = h * G + g
+    q1, q2, qr = _norm_rope_heads(src, qh, gm, q_norm_ptr, cos, sin, eps, cdt, D, ROT, HALF_PAD, REST_PAD, QK_NORM,
+                                  "")
+    q1, q2, qr = q1.to(cdt), q2.to(cdt), qr.to(cdt)  # as the QKV kernel writes q
+
+    # a decode step's token t is its request t (one load less in the chain before the first key)
+    kv_pos = tl.load(kv_pos_ptr + t)  # the new token's position: the request holds kv_pos + 1 keys
+    first_page = tl.load(kv_indptr_ptr + t)
+    per_split = tl.cdiv(tl.cdiv(kv_pos + 1, nsplit), BLOCK) * BLOCK
+    start = s * per_split
+    end = tl.minimum(start + per_split, kv_pos + 1)
+
+    m_i, l_i, acc = _attend_split(q1, q2, qr, src, cos, sin, k_norm_ptr, eps, cache_ptr, kv_indices_ptr, first_page,
+                                  kv_pos, start, end, h, stride_page, stride_kv, stride_slot, stride_head, scale_log2,
+                                  HQ, HKV, D, ROT, PAGE, G_PAD, D_PAD, HALF_PAD, REST_PAD, QK_NORM, BLOCK, "")
 
     out_rows = out_ptr + t * stride_out + qh[:, None] * D + dd[None, :]
     omask = gm[:, None] & (dd[None, :] < D)
@@ -154,10 +204,7 @@ def qkv_decode_attention_kernel(
         tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
     else:
         # partials: [tokens, HQ, nsplit] x (m, l) and x D
-        pidx = (t * HQ + qh) * nsplit + s
-        tl.store(part_ml_ptr + pidx * 2, m_i, mask=gm)
-        tl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=gm)
-        tl.store(part_o_ptr + pidx[:, None] * D + dd[None, :], acc, mask=omask)
+        _store_partial(part_o_ptr, part_ml_ptr, (t * HQ + qh) * nsplit + s, gm, m_i, l_i, acc, D, D_PAD)
         if MERGE:  # (false: an experiment's knob, timing the kernel without its merge; the output is not written)
             tl.debug_barrier()  # every thread's partial is written before the counter moves
             done = tl.atomic_add(counter_ptr + t * HKV + h, 1, sem="acq_rel")
@@ -165,19 +212,8 @@ def qkv_decode_attention_kernel(
             done = -1
         if done == nsplit - 1:  # the last split of (t, h): merge, every split's partial read in one go
             mg = tl.arange(0, G_MERGE)
-            sp = tl.arange(0, SPLIT_PAD)
             mgm = mg < G
-            rows = (t * HQ + h * G + mg)[:, None] * nsplit + sp[None, :]  # [G_MERGE, SPLIT_PAD]
-            mm = mgm[:, None] & (sp[None, :] < nsplit)
-            ms = tl.load(part_ml_ptr + rows * 2, mask=mm, other=float("-inf"), cache_modifier=".cg")
-            ls = tl.load(part_ml_ptr + rows * 2 + 1, mask=mm, other=0.0, cache_modifier=".cg")
-            os_ = tl.load(part_o_ptr + rows[:, :, None] * D + dd[None, None, :],
-                          mask=mm[:, :, None] & (dd[None, None, :] < D), other=0.0, cache_modifier=".cg")
-            big = tl.max(ms, axis=1)
-            big = tl.where(mgm, big, 0.0)  # padded rows: no split, no NaN
-            w = tl.exp2(ms - big[:, None])
-            total = tl.where(mgm, tl.sum(w * ls, axis=1), 1.0)
-            merged = tl.sum(w[:, :, None] * os_, axis=1) / total[:, None]
+            merged = _merge_partials(part_o_ptr, part_ml_ptr, t * HQ + h * G + mg, mgm, nsplit, D, D_PAD, SPLIT_PAD)
             mrows = out_ptr + t * stride_out + (h * G + mg)[:, None] * D + dd[None, :]
             tl.store(mrows, merged.to(out_ptr.dtype.element_ty), mask=mgm[:, None] & (dd[None, :] < D))
             tl.atomic_xchg(counter_ptr + t * HKV + h, 0)  # ready for the next launch

@@ -122,7 +122,7 @@ class FlashInferAttention(AttentionBackend):
         """``(post-attention norm, router partial sums or None)`` of a one-token step's layer ``layer``;
         ``residual`` updated in place (:func:`moeserve.ops.attention.layer_triton.attention_half`)."""
         inp = self.inp
-        if router is not None and max(16, 1 << (router.shape[0] - 1).bit_length()) > self.layer_ws.num_sms:
+        if router is not None and not self.layer_ws.takes_router(router.shape[0]):
             router = None  # more router rows than programs: the MoE block computes its logits
         return self._attention_half(hidden, residual, norm1, w_qkv, b_qkv, w_o, norm2, eps, positions, cos_sin,
                                     self.num_heads, self.num_kv_heads, self.head_dim, self.kv.layer(layer),

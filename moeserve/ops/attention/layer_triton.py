@@ -32,8 +32,9 @@ import triton
 import triton.language as tl
 
 from moeserve.ops.attention import decode_kernel_takes_rotary
-from moeserve.ops.attention.decode_triton import LOG2E, _dot_halves, decode_attention_reference
-from moeserve.ops.attention.qkv_triton import _norm_rope_heads, _store_heads
+from moeserve.ops.attention.decode_triton import (LOG2E, _attend_split, _merge_partials, _store_partial,
+                                                  decode_attention_reference)
+from moeserve.ops.attention.qkv_triton import _norm_rope_heads
 from moeserve.ops.pdl import launch_kwargs
 from moeserve.ops.pdl_triton import let_next_start, wait_prior
 
@@ -148,9 +149,7 @@ def attention_half_kernel(
             h = pid // nsplit
             s = pid % nsplit
             HALF: tl.constexpr = ROT // 2
-            HAS_REST: tl.constexpr = ROT < D
             d = tl.arange(0, HALF_PAD)
-            r = tl.arange(0, REST_PAD)
             dd = tl.arange(0, D_PAD)
             pos = tl.load(pos_ptr).to(tl.int64)
             cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0)
@@ -166,79 +165,16 @@ def attention_half_kernel(
             per_split = tl.cdiv(tl.cdiv(kv_pos + 1, nsplit), BLOCK) * BLOCK
             start = s * per_split
             end = tl.minimum(start + per_split, kv_pos + 1)
-            stop = tl.minimum(end, kv_pos)
-            m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-            l_i = tl.zeros([G_PAD], tl.float32)
-            acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-            head = cache_ptr + h * stride_head
-            for n0 in range(start, stop, BLOCK):
-                n = n0 + tl.arange(0, BLOCK)
-                nm = n < stop
-                page = tl.load(kv_indices_ptr + first_page + n // PAGE, mask=nm, other=0).to(tl.int64)
-                row = head + page * stride_page + (n % PAGE).to(tl.int64) * stride_slot
-                k1 = tl.load(row[:, None] + d[None, :], mask=nm[:, None] & (d[None, :] < HALF), other=0.0)
-                k2 = tl.load(row[:, None] + HALF + d[None, :], mask=nm[:, None] & (d[None, :] < HALF), other=0.0)
-                if HAS_REST:
-                    kr = tl.load(row[:, None] + ROT + r[None, :], mask=nm[:, None] & (r[None, :] < D - ROT),
-                                 other=0.0)
-                else:
-                    kr = k1  # unused
-                v = tl.load(row[:, None] + stride_kv + dd[None, :], mask=nm[:, None] & (dd[None, :] < D), other=0.0)
-                sc = _dot_halves(q1, q2, qr, k1, k2, kr, HAS_REST) * scale_log2
-                sc = tl.where(nm[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(sc - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(cdt), v)
-                m_i = m_new
-            if (start <= kv_pos) & (kv_pos < end):  # this split holds the new token: attend to it, then cache it
-                one = tl.arange(0, 2)
-                om = one < 1
-                kh = h + one
-                k1n, k2n, krn = _norm_rope_heads(qkv_ptr + HQ * D, kh, om, k_norm_ptr, cos, sin, qk_eps, cdt, D,
-                                                 ROT, HALF_PAD, REST_PAD, QK_NORM, ".cg")
-                vn = tl.load(qkv_ptr + (HQ + HKV) * D + kh[:, None] * D + dd[None, :],
-                             mask=om[:, None] & (dd[None, :] < D), other=0.0, cache_modifier=".cg")
-                page = tl.load(kv_indices_ptr + first_page + kv_pos // PAGE).to(tl.int64)
-                slot = cache_ptr + page * stride_page + (kv_pos % PAGE).to(tl.int64) * stride_slot
-                _store_heads(slot, stride_head, kh, om, k1n, k2n, krn, D, ROT, HALF_PAD, REST_PAD)
-                tl.store(slot + stride_kv + kh[:, None] * stride_head + dd[None, :], vn,
-                         mask=om[:, None] & (dd[None, :] < D))
-                k1v = tl.sum(k1n.to(cdt).to(tl.float32), axis=0)
-                k2v = tl.sum(k2n.to(cdt).to(tl.float32), axis=0)
-                sn = (tl.sum(q1.to(tl.float32) * k1v[None, :], axis=1)
-                      + tl.sum(q2.to(tl.float32) * k2v[None, :], axis=1))
-                if HAS_REST:
-                    krv = tl.sum(krn.to(cdt).to(tl.float32), axis=0)
-                    sn += tl.sum(qr.to(tl.float32) * krv[None, :], axis=1)
-                sn = sn * scale_log2
-                m_new = tl.maximum(m_i, sn)
-                alpha = tl.exp2(m_i - m_new)
-                pn = tl.exp2(sn - m_new)
-                l_i = l_i * alpha + pn
-                vv = tl.sum(vn.to(tl.float32), axis=0)
-                acc = acc * alpha[:, None] + pn.to(cdt).to(tl.float32)[:, None] * vv[None, :]
-                m_i = m_new
-            pidx = qh * nsplit + s  # partials: [HQ, nsplit] x (m, l) and x D
-            tl.store(part_ml_ptr + pidx * 2, m_i, mask=gm)
-            tl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=gm)
-            tl.store(part_o_ptr + pidx[:, None] * D + dd[None, :], acc, mask=gm[:, None] & (dd[None, :] < D))
+            m_i, l_i, acc = _attend_split(q1, q2, qr, qkv_ptr, cos, sin, k_norm_ptr, qk_eps, cache_ptr, kv_indices_ptr,
+                                          first_page, kv_pos, start, end, h, stride_page, stride_kv, stride_slot,
+                                          stride_head, scale_log2, HQ, HKV, D, ROT, PAGE, G_PAD, D_PAD, HALF_PAD,
+                                          REST_PAD, QK_NORM, BLOCK, ".cg")
+            _store_partial(part_o_ptr, part_ml_ptr, qh * nsplit + s, gm, m_i, l_i, acc, D, D_PAD)  # [HQ, nsplit]
             # the last split of kv head h to finish merges its heads' splits into the output row
             tl.debug_barrier()
             done = tl.atomic_add(counter_ptr + h, 1, sem="acq_rel")
             if done == nsplit - 1:
-                sp1 = tl.arange(0, SPLIT_PAD)
-                rows1 = qh[:, None] * nsplit + sp1[None, :]
-                mm1 = gm[:, None] & (sp1[None, :] < nsplit)
-                ms1 = tl.load(part_ml_ptr + rows1 * 2, mask=mm1, other=float("-inf"), cache_modifier=".cg")
-                ls1 = tl.load(part_ml_ptr + rows1 * 2 + 1, mask=mm1, other=0.0, cache_modifier=".cg")
-                os1 = tl.load(part_o_ptr + rows1[:, :, None] * D + dd[None, None, :],
-                              mask=mm1[:, :, None] & (dd[None, None, :] < D), other=0.0, cache_modifier=".cg")
-                big1 = tl.where(gm, tl.max(ms1, axis=1), 0.0)
-                w1s = tl.exp2(ms1 - big1[:, None])
-                tot1 = tl.where(gm, tl.sum(w1s * ls1, axis=1), 1.0)
-                mer1 = tl.sum(w1s[:, :, None] * os1, axis=1) / tot1[:, None]
+                mer1 = _merge_partials(part_o_ptr, part_ml_ptr, qh, gm, nsplit, D, D_PAD, SPLIT_PAD)
                 tl.store(ao_ptr + qh[:, None] * D + dd[None, :], mer1.to(ao_ptr.dtype.element_ty),
                          mask=gm[:, None] & (dd[None, :] < D))
                 tl.atomic_xchg(counter_ptr + h, 0)  # ready for the next launch
@@ -273,6 +209,12 @@ def attention_half_kernel(
                 tl.store(parts_ptr + pid, tl.sum(wr * h2.to(tl.float32), axis=0))
 
 
+def router_columns(rows: int) -> int:
+    """The columns of the router's partial sums for ``rows`` rows, as ``routing_triton.router_partials`` lays
+    them out: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(rows))
+
+
 class LayerWorkspace:
     """The scratch buffers and barrier words of :func:`attention_half` (fixed buffers: CUDA graphs replay against
     them), for one model's attention shapes on a GPU of ``num_sms`` SMs (the grid)."""
@@ -294,6 +236,11 @@ class LayerWorkspace:
         self.y = torch.empty(hidden, dtype=dtype, device=device)
         self.sync = torch.zeros(2, dtype=torch.int32, device=device)
         self.counter = torch.zeros(num_kv_heads, dtype=torch.int32, device=device)  # splits done, per kv head
+
+    def takes_router(self, rows: int) -> bool:
+        """Whether the kernel can compute a router of ``rows`` rows: one program per row of its partial sums
+        (:func:`router_columns`)."""
+        return router_columns(rows) <= self.num_sms
 
     def serves(self, num_kv_heads: int) -> bool:
         """Whether every (kv head, split) has a program: at least one per kv head."""
@@ -346,8 +293,8 @@ def attention_half(hidden: torch.Tensor, residual: torch.Tensor, norm1: torch.Te
     if (ws.hidden, ws.num_heads, ws.num_kv_heads, ws.head_dim) != (h_size, num_heads, num_kv_heads, head_dim):
         raise ValueError("attention_half: the workspace was made for other shapes")
     n = 0 if router is None else router.shape[0]
-    router_n = 0 if router is None else max(16, triton.next_power_of_2(n))
-    if router is not None and (router.shape[1] != h_size or router_n > ws.num_sms or not router.is_contiguous()):
+    router_n = 0 if router is None else router_columns(n)
+    if router is not None and (router.shape[1] != h_size or not ws.takes_router(n) or not router.is_contiguous()):
         raise ValueError(f"attention_half: router {tuple(router.shape)} needs at most {ws.num_sms} rows of {h_size}")
     parts = torch.empty((1, 1, max(router_n, 1)), dtype=torch.float32, device=hidden.device)
     out = torch.empty_like(hidden)
