@@ -24,7 +24,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=560)
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--replays", type=int, default=50)
-    p.add_argument("--variant", action="append", default=[], help='e.g. {"num_warps": 8} or {"prefetch_o": true}')
+    p.add_argument("--variant", action="append", default=[], help='e.g. {"num_warps": 8} or {"O_PRE": 0}')
     p.add_argument("--sm-mhz", type=float, default=1980.0, help="SM clock for cycles to microseconds")
     p.add_argument("--out")
     a = p.parse_args()
@@ -98,8 +98,9 @@ def main() -> None:
     def phases():
         c = timing.double() / a.sm_mhz  # microseconds at the given clock, [layers, programs, 8]
         d_ = c[:, :, 1:] - c[:, :, :-1]
-        names = ["wait for the kernel before", "phase 0 work (norm, QKV)", "barrier 1", "phase 1 work (attention)",
-                 "barrier 2", "phase 2 work (merge, output projection)", "barrier 3"]
+        names = ["wait for the kernel before", "phase 0 work (norm, QKV)", "loads ahead + barrier 1",
+                 "phase 1 work (attention, merge)", "loads ahead + barrier 2", "phase 2 work (output projection)",
+                 "loads ahead + barrier 3"]
         return {n: {"mean": d_[:, :, k].mean().item(), "max": d_[:, :, k].amax(1).mean().item(),
                     "min": d_[:, :, k].amin(1).mean().item()} for k, n in enumerate(names)}
 

@@ -69,15 +69,23 @@ def _workspace(spec, dtype, device, sms=None):
 
 # ---------------------------------------------------------------- CPU: Triton interpreter
 
+# the kernel's options besides its defaults: the attention's inputs, the norm and router weights read after the
+# barriers instead of before, and part of the output projection's rows from registers loaded ahead of it
+OTHER_OPTIONS = {"PRE_ATTN": False, "PRE_NEXT": False, "O_PRE": 64}
+
+
 def _interpreter_worker(in_path: str, out_path: str) -> None:
     patch_for_numpy()
-    from moeserve.ops.attention.layer_triton import attention_half
+    from moeserve.ops.attention.layer_triton import attention_half, layer_config
     out = {}
     for name, (spec, args, router) in torch.load(in_path).items():
-        a = _copy(args)
-        ws = _workspace(spec, torch.float32, "cpu")
-        h, parts = attention_half(*a, workspace=ws, router=router, phased=True)
-        out[name] = (h, parts, a[1], a[13], ws.counter.clone())
+        for options, extra in (("default", {}), ("other-options", OTHER_OPTIONS)):
+            a = _copy(args)
+            ws = _workspace(spec, torch.float32, "cpu")
+            h_, hq, hkv, d = spec[:4]
+            config = dict(layer_config(h_, (hq + 2 * hkv) * d, hq * d, ws.num_sms), **extra)
+            h, parts = attention_half(*a, workspace=ws, router=router, phased=True, config=config)
+            out[(name, options)] = (h, parts, a[1], a[13], ws.counter.clone())
     torch.save(out, out_path)
 
 
@@ -88,16 +96,17 @@ def interpreted(tmp_path_factory):
     return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("layer"), SEED)
 
 
+@pytest.mark.parametrize("options", ["default", "other-options"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_phases_match_the_reference_under_the_interpreter(interpreted, name):
+def test_phases_match_the_reference_under_the_interpreter(interpreted, name, options):
     from moeserve.ops.attention.layer_triton import attention_half_reference
     inputs, outputs = interpreted
     spec, args, router = inputs[name]
-    h, parts, residual, cache, counter = outputs[name]
+    h, parts, residual, cache, counter = outputs[(name, options)]
     assert not counter.any(), "the merge counters must be back at zero"
     ref_args = _copy(args)
     ref_h, ref_logits = attention_half_reference(*ref_args, router=router)
-    msg = lambda what: lambda m: f"seed {SEED}, {name}: {what}: {m}"  # noqa: E731
+    msg = lambda what: lambda m: f"seed {SEED}, {name}, {options}: {what}: {m}"  # noqa: E731
     torch.testing.assert_close(h, ref_h, **FP32_TOL, msg=msg("norm output"))
     torch.testing.assert_close(residual, ref_args[1], **FP32_TOL, msg=msg("residual"))
     torch.testing.assert_close(cache, ref_args[13], **FP32_TOL, msg=msg("cache"))
@@ -165,13 +174,21 @@ def _gpu_case(spec, gen):
     return args, router
 
 
+def _at_rest(ws, flip: bool) -> bool:
+    """The barrier word's low bits back at zero (one word whose top bit each barrier flips), or the arrival
+    counter at zero (a counter and a generation word)."""
+    return (ws.sync[0].item() & 0x7FFFFFFF) == 0 if flip else ws.sync[0].item() == 0
+
+
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6)).item()
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("variant", [{}, {"num_stages": 4, "QKV_BK": 128}], ids=["default", "other-tiles"])
+@pytest.mark.parametrize("variant", [{}, {"num_stages": 4, "QKV_BK": 128},
+                                     {**OTHER_OPTIONS, "O_PRE": 1024, "FLIP": False}],
+                         ids=["default", "other-tiles", "other-options"])
 @pytest.mark.parametrize("name", list(GPU_CASES))
 def test_fused_kernel_matches_the_reference_and_its_phases(name, variant):
     from moeserve.ops.attention.layer_triton import attention_half, attention_half_reference, layer_config
@@ -197,14 +214,14 @@ def test_fused_kernel_matches_the_reference_and_its_phases(name, variant):
         assert _rel(a[1], ref_args[1]) < BF16_REL, f"{where}: residual"
         assert _rel(a[13], ref_args[13]) < 1e-3, f"{where}: cache {_rel(a[13], ref_args[13]):.5f}"
         assert _rel(parts[0, :, :router.shape[0]], ref_logits) < BF16_REL, f"{where}: router logits"
-    assert ws.sync[0].item() == 0 and not ws.counter.any(), "the arrival and merge counters must be back at zero"
+    assert _at_rest(ws, config["FLIP"]) and not ws.counter.any(), "the barrier and merge counters must be at rest"
 
 
 @gpu
 @needs_cuda
 def test_graph_replays_are_stable_and_follow_the_position():
     """Captured once, replayed 200 times on the same inputs: the barrier words come back to rest (an arrival
-    counter left off zero would deadlock or break a later replay) and every replay gives the same bits; then
+    word left off its rest would deadlock or break a later replay) and every replay gives the same bits; then
     replayed at the next position, it matches the reference there."""
     from moeserve.ops.attention.layer_triton import attention_half, attention_half_reference
     from moeserve.ops.pdl import enabled_as
@@ -219,14 +236,14 @@ def test_graph_replays_are_stable_and_follow_the_position():
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             h, parts = attention_half(*a, workspace=ws, router=router)
-    gen0 = ws.sync[1].item()
+    word0 = ws.sync[0].item()
     outs = []
     for _ in range(200):
         a[1].copy_(residual0)
         g.replay()
         outs.append((h.clone(), parts.clone()))
     torch.cuda.synchronize()
-    assert ws.sync[0].item() == 0 and ws.sync[1].item() == gen0 + 3 * 200, "three barriers per launch"
+    assert ws.sync[0].item() == word0 and _at_rest(ws, True), "three barriers per launch, 600 flips"
     assert all(torch.equal(o[0], outs[0][0]) and torch.equal(o[1], outs[0][1]) for o in outs)
     # the next position of the same request (one more key cached)
     for t in (a[8], a[14]):
@@ -237,4 +254,5 @@ def test_graph_replays_are_stable_and_follow_the_position():
     torch.cuda.synchronize()
     ref_h, _ = attention_half_reference(*ref_args, router=router)
     assert _rel(h, ref_h) < BF16_REL, f"seed {SEED}: after the position moved {_rel(h, ref_h):.4f}"
+    assert ws.sync[0].item() == word0 ^ -0x80000000, "one launch more: three flips more"
     assert hidden.data_ptr() == a[0].data_ptr()

@@ -54,6 +54,85 @@ def _dot_halves(q1, q2, qr, k1, k2, kr, HAS_REST: tl.constexpr):
 
 
 @triton.jit
+def _load_keys(cache_ptr, kv_indices_ptr, first_page, n0, stop, h, stride_page, stride_kv, stride_slot, stride_head,
+               D: tl.constexpr, ROT: tl.constexpr, PAGE: tl.constexpr, D_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+               REST_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Cached keys and values ``[n0, n0 + BLOCK)`` of kv head ``h`` (those below ``stop``; the rest masked to
+    zero) of a request whose pages are ``kv_indices[first_page:]``: ``(k1, k2, kr, v, mask)``, the keys as their
+    rotated halves and unrotated rest."""
+    HALF: tl.constexpr = ROT // 2
+    HAS_REST: tl.constexpr = ROT < D
+    d = tl.arange(0, HALF_PAD)
+    r = tl.arange(0, REST_PAD)
+    dd = tl.arange(0, D_PAD)
+    n = n0 + tl.arange(0, BLOCK)
+    nm = n < stop
+    page = tl.load(kv_indices_ptr + first_page + n // PAGE, mask=nm, other=0).to(tl.int64)
+    row = cache_ptr + h * stride_head + page * stride_page + (n % PAGE).to(tl.int64) * stride_slot
+    k1 = tl.load(row[:, None] + d[None, :], mask=nm[:, None] & (d[None, :] < HALF), other=0.0)
+    k2 = tl.load(row[:, None] + HALF + d[None, :], mask=nm[:, None] & (d[None, :] < HALF), other=0.0)
+    if HAS_REST:
+        kr = tl.load(row[:, None] + ROT + r[None, :], mask=nm[:, None] & (r[None, :] < D - ROT), other=0.0)
+    else:
+        kr = k1  # unused
+    v = tl.load(row[:, None] + stride_kv + dd[None, :], mask=nm[:, None] & (dd[None, :] < D), other=0.0)
+    return k1, k2, kr, v, nm
+
+
+@triton.jit
+def _attend_keys(q1, q2, qr, k1, k2, kr, v, nm, m_i, l_i, acc, scale_log2, HAS_REST: tl.constexpr):
+    """The online softmax's running ``(max, sum, unnormalised output)`` after one block of keys (``nm``: which
+    are keys; at least one must be)."""
+    sc = _dot_halves(q1, q2, qr, k1, k2, kr, HAS_REST) * scale_log2
+    sc = tl.where(nm[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_new(q1, q2, qr, src, cos, sin, k_norm_ptr, eps, cache_ptr, kv_indices_ptr, first_page, kv_pos, h,
+                stride_page, stride_kv, stride_slot, stride_head, scale_log2, m_i, l_i, acc, HQ: tl.constexpr,
+                HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, PAGE: tl.constexpr, D_PAD: tl.constexpr,
+                HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, QK_NORM: tl.constexpr, CACHE: tl.constexpr):
+    """The running ``(max, sum, unnormalised output)`` after the newest key (position ``kv_pos``) of kv head
+    ``h``, taken from the QKV row ``src`` (``CACHE``: its loads' cache modifier), normed, rotated and written
+    into its cache slot with its value, and attended from registers."""
+    HAS_REST: tl.constexpr = ROT < D
+    cdt = cache_ptr.dtype.element_ty
+    dd = tl.arange(0, D_PAD)
+    one = tl.arange(0, 2)
+    om = one < 1
+    kh = h + one
+    k1n, k2n, krn = _norm_rope_heads(src + HQ * D, kh, om, k_norm_ptr, cos, sin, eps, cdt, D, ROT, HALF_PAD,
+                                     REST_PAD, QK_NORM, CACHE)
+    vn = tl.load(src + (HQ + HKV) * D + kh[:, None] * D + dd[None, :], mask=om[:, None] & (dd[None, :] < D),
+                 other=0.0, cache_modifier=CACHE)
+    page = tl.load(kv_indices_ptr + first_page + kv_pos // PAGE).to(tl.int64)
+    slot = cache_ptr + page * stride_page + (kv_pos % PAGE).to(tl.int64) * stride_slot
+    _store_heads(slot, stride_head, kh, om, k1n, k2n, krn, D, ROT, HALF_PAD, REST_PAD)
+    tl.store(slot + stride_kv + kh[:, None] * stride_head + dd[None, :], vn, mask=om[:, None] & (dd[None, :] < D))
+    # the new key as the cache holds it (row 0 of the two; row 1 is masked to zero)
+    k1v = tl.sum(k1n.to(cdt).to(tl.float32), axis=0)
+    k2v = tl.sum(k2n.to(cdt).to(tl.float32), axis=0)
+    sn = tl.sum(q1.to(tl.float32) * k1v[None, :], axis=1) + tl.sum(q2.to(tl.float32) * k2v[None, :], axis=1)
+    if HAS_REST:
+        krv = tl.sum(krn.to(cdt).to(tl.float32), axis=0)
+        sn += tl.sum(qr.to(tl.float32) * krv[None, :], axis=1)
+    sn = sn * scale_log2
+    m_new = tl.maximum(m_i, sn)
+    alpha = tl.exp2(m_i - m_new)
+    pn = tl.exp2(sn - m_new)
+    l_i = l_i * alpha + pn
+    vv = tl.sum(vn.to(tl.float32), axis=0)
+    acc = acc * alpha[:, None] + pn.to(cdt).to(tl.float32)[:, None] * vv[None, :]
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_split(q1, q2, qr, src, cos, sin, k_norm_ptr, eps, cache_ptr, kv_indices_ptr, first_page, kv_pos, start,
                   end, h, stride_page, stride_kv, stride_slot, stride_head, scale_log2, HQ: tl.constexpr,
                   HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, PAGE: tl.constexpr, G_PAD: tl.constexpr,
@@ -64,65 +143,19 @@ def _attend_split(q1, q2, qr, src, cos, sin, k_norm_ptr, eps, cache_ptr, kv_indi
     request whose pages are ``kv_indices[first_page:]``: the cached keys from the cache, and the newest (position
     ``kv_pos``, when the range holds it) from the QKV row ``src``, normed and rotated, written into its cache slot
     and attended from registers. ``CACHE``: the cache modifier of the loads from ``src``."""
-    HALF: tl.constexpr = ROT // 2
     HAS_REST: tl.constexpr = ROT < D
-    cdt = cache_ptr.dtype.element_ty
-    d = tl.arange(0, HALF_PAD)
-    r = tl.arange(0, REST_PAD)
-    dd = tl.arange(0, D_PAD)
     stop = tl.minimum(end, kv_pos)  # cached keys of the range (the new one comes from registers)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    head = cache_ptr + h * stride_head
     for n0 in range(start, stop, BLOCK):
-        n = n0 + tl.arange(0, BLOCK)
-        nm = n < stop
-        page = tl.load(kv_indices_ptr + first_page + n // PAGE, mask=nm, other=0).to(tl.int64)
-        row = head + page * stride_page + (n % PAGE).to(tl.int64) * stride_slot
-        k1 = tl.load(row[:, None] + d[None, :], mask=nm[:, None] & (d[None, :] < HALF), other=0.0)
-        k2 = tl.load(row[:, None] + HALF + d[None, :], mask=nm[:, None] & (d[None, :] < HALF), other=0.0)
-        if HAS_REST:
-            kr = tl.load(row[:, None] + ROT + r[None, :], mask=nm[:, None] & (r[None, :] < D - ROT), other=0.0)
-        else:
-            kr = k1  # unused
-        v = tl.load(row[:, None] + stride_kv + dd[None, :], mask=nm[:, None] & (dd[None, :] < D), other=0.0)
-        sc = _dot_halves(q1, q2, qr, k1, k2, kr, HAS_REST) * scale_log2
-        sc = tl.where(nm[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(cdt), v)
-        m_i = m_new
-
+        k1, k2, kr, v, nm = _load_keys(cache_ptr, kv_indices_ptr, first_page, n0, stop, h, stride_page, stride_kv,
+                                       stride_slot, stride_head, D, ROT, PAGE, D_PAD, HALF_PAD, REST_PAD, BLOCK)
+        m_i, l_i, acc = _attend_keys(q1, q2, qr, k1, k2, kr, v, nm, m_i, l_i, acc, scale_log2, HAS_REST)
     if (start <= kv_pos) & (kv_pos < end):  # this split holds the new token: attend to it, then cache it
-        one = tl.arange(0, 2)
-        om = one < 1
-        kh = h + one
-        k1n, k2n, krn = _norm_rope_heads(src + HQ * D, kh, om, k_norm_ptr, cos, sin, eps, cdt, D, ROT, HALF_PAD,
-                                         REST_PAD, QK_NORM, CACHE)
-        vn = tl.load(src + (HQ + HKV) * D + kh[:, None] * D + dd[None, :], mask=om[:, None] & (dd[None, :] < D),
-                     other=0.0, cache_modifier=CACHE)
-        page = tl.load(kv_indices_ptr + first_page + kv_pos // PAGE).to(tl.int64)
-        slot = cache_ptr + page * stride_page + (kv_pos % PAGE).to(tl.int64) * stride_slot
-        _store_heads(slot, stride_head, kh, om, k1n, k2n, krn, D, ROT, HALF_PAD, REST_PAD)
-        tl.store(slot + stride_kv + kh[:, None] * stride_head + dd[None, :], vn, mask=om[:, None] & (dd[None, :] < D))
-        # the new key as the cache holds it (row 0 of the two; row 1 is masked to zero)
-        k1v = tl.sum(k1n.to(cdt).to(tl.float32), axis=0)
-        k2v = tl.sum(k2n.to(cdt).to(tl.float32), axis=0)
-        sn = tl.sum(q1.to(tl.float32) * k1v[None, :], axis=1) + tl.sum(q2.to(tl.float32) * k2v[None, :], axis=1)
-        if HAS_REST:
-            krv = tl.sum(krn.to(cdt).to(tl.float32), axis=0)
-            sn += tl.sum(qr.to(tl.float32) * krv[None, :], axis=1)
-        sn = sn * scale_log2
-        m_new = tl.maximum(m_i, sn)
-        alpha = tl.exp2(m_i - m_new)
-        pn = tl.exp2(sn - m_new)
-        l_i = l_i * alpha + pn
-        vv = tl.sum(vn.to(tl.float32), axis=0)
-        acc = acc * alpha[:, None] + pn.to(cdt).to(tl.float32)[:, None] * vv[None, :]
-        m_i = m_new
+        m_i, l_i, acc = _attend_new(q1, q2, qr, src, cos, sin, k_norm_ptr, eps, cache_ptr, kv_indices_ptr, first_page,
+                                    kv_pos, h, stride_page, stride_kv, stride_slot, stride_head, scale_log2, m_i, l_i,
+                                    acc, HQ, HKV, D, ROT, PAGE, D_PAD, HALF_PAD, REST_PAD, QK_NORM, CACHE)
     return m_i, l_i, acc
 
 

@@ -5,9 +5,12 @@ projection, the residual add and post-attention norm, and the router's GEMM.
 Launched kernel by kernel, that half of a layer is a chain of six or more latency-bound kernels (add + RMSNorm,
 QKV GEMV, attention, output GEMV, add + RMSNorm, the router's partial sums), each waiting for the one before and
 each too short to reach the memory bandwidth: in a c=1 step of Qwen1.5-MoE on an H200 it took 28.4 us a layer
-against 9.1 us of reads. Here one program per SM runs four phases separated by grid-wide barriers (an arrival
-counter and a generation word; every program is resident at once, as the grid is the SM count and a program
-fits an SM):
+against 9.1 us of reads. Here one program per SM runs four phases separated by grid-wide barriers (one word
+whose top bit each barrier flips, as CUDA's cooperative groups do it; every program is resident at once, as the
+grid is the SM count and a program fits an SM). What a phase reads that no earlier phase writes is loaded before
+the barrier in front of it, while the program waits there anyway: the attention's positions, pages and first
+block of cached keys and values, part of the output projection's rows (into registers), the norm and router
+weights:
 
 0. every program adds the residual, norms it (each its own copy, ``xn``) and computes its contiguous share of
    the QKV rows (a GEMV, bias added);
@@ -32,8 +35,8 @@ import triton
 import triton.language as tl
 
 from moeserve.ops.attention import decode_kernel_takes_rotary
-from moeserve.ops.attention.decode_triton import (LOG2E, _attend_split, _merge_partials, _store_partial,
-                                                  decode_attention_reference)
+from moeserve.ops.attention.decode_triton import (LOG2E, _attend_keys, _attend_new, _load_keys, _merge_partials,
+                                                  _store_partial, decode_attention_reference)
 from moeserve.ops.attention.qkv_triton import _norm_rope_heads
 from moeserve.ops.pdl import launch_kwargs
 from moeserve.ops.pdl_triton import let_next_start, wait_prior
@@ -43,20 +46,48 @@ BLOCK_KEYS = 64
 
 
 @triton.jit
-def _grid_sync(sync_ptr, nprog, ON: tl.constexpr):
-    """Every program of the grid waits here until all have arrived; their earlier writes are then visible.
-    ``sync_ptr``: [arrivals, generation], arrivals zero between barriers."""
+def _grid_arrive(sync_ptr, nprog, ON: tl.constexpr, FLIP: tl.constexpr = True):
+    """The first half of a grid-wide barrier: this program's writes so far are released to the others and its
+    arrival counted. Returns what :func:`_grid_wait` needs. Loads issued between the two (of what no other program
+    writes before the barrier) overlap the wait; issued before the arrival they would hold it up, as the release
+    waits for every outstanding access of the thread.
+
+    ``FLIP`` (one word, as CUDA's cooperative groups do it): program 0 adds ``2**31 - (nprog - 1)`` and every
+    other program 1, so the word's top bit flips when the last arrives and its low bits are back at zero; each
+    program waits for the top bit to differ from the value it found, the last arriver not at all. Otherwise
+    ``sync_ptr`` is ``[arrivals, generation]``: the last arriver resets the arrivals and bumps the generation."""
+    old = 0
+    last = False
     if ON:
         tl.debug_barrier()  # every thread's writes are issued before the arrival
-        gen = tl.atomic_add(sync_ptr + 1, 0, sem="relaxed")
-        arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel")
-        if arrived == nprog - 1:
-            tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
-            tl.atomic_add(sync_ptr + 1, 1, sem="release")
+        if FLIP:
+            inc = tl.where(tl.program_id(0) == 0, 2147483647 - (nprog - 2), 1)
+            old = tl.atomic_add(sync_ptr, inc, sem="acq_rel")
+            last = ((old + inc) ^ old) < 0
         else:
-            cur = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
-            while cur == gen:
+            old = tl.atomic_add(sync_ptr + 1, 0, sem="relaxed")
+            arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel")
+            last = arrived == nprog - 1
+            if last:
+                tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
+                tl.atomic_add(sync_ptr + 1, 1, sem="release")
+    return old, last
+
+
+@triton.jit
+def _grid_wait(sync_ptr, arrival, ON: tl.constexpr, FLIP: tl.constexpr = True):
+    """The second half: wait until every program has arrived; their writes before it are then visible."""
+    if ON:
+        old, last = arrival
+        if not last:
+            if FLIP:
+                cur = tl.atomic_add(sync_ptr, 0, sem="acquire")
+                while (cur ^ old) >= 0:
+                    cur = tl.atomic_add(sync_ptr, 0, sem="acquire")
+            else:
                 cur = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+                while cur == old:
+                    cur = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
         tl.debug_barrier()
 
 
@@ -70,19 +101,19 @@ def _clock(t_ptr, k: tl.constexpr, ON: tl.constexpr):
 
 
 @triton.jit
-def _gemv_rows(w_ptr, b_ptr, x_ptr, y_ptr, lo, hi, K: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
-               HAS_BIAS: tl.constexpr, XCACHE: tl.constexpr):
-    """``y[r] = w[r, :] . x (+ b[r])`` for rows ``lo <= r < hi`` (at most ``ROWS``), float32 accumulation; ``x``
-    is this program's own copy (written by it before a CTA barrier), or with ``XCACHE=".cg"`` one other programs
-    wrote before a grid barrier."""
+def _gemv_rows(w_ptr, x_ptr, lo, hi, K: tl.constexpr, K0: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
+               XCACHE: tl.constexpr):
+    """``w[r, K0:] . x[K0:]`` float32 for rows ``lo <= r < hi`` (at most ``ROWS``; the rest zero), float32
+    accumulation; ``x`` is this program's own copy (written by it before a CTA barrier), or with
+    ``XCACHE=".cg"`` one other programs wrote before a grid barrier."""
     rows = lo + tl.arange(0, ROWS)
     rm = rows < hi
     kk = tl.arange(0, BK)
     c = tl.arange(0, 16)
     acc = tl.zeros((ROWS, 16), dtype=tl.float32)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
-    for k in range(0, K, BK):
-        if K % BK == 0:
+    for k in range(K0, K, BK):
+        if (K - K0) % BK == 0:
             w = tl.load(w_rows + (k + kk)[None, :], mask=rm[:, None], other=0.0)
             xt = tl.load(x_ptr + (k + kk)[:, None] + c[None, :] * 0, mask=(c == 0)[None, :], other=0.0,
                          cache_modifier=XCACHE)
@@ -92,10 +123,34 @@ def _gemv_rows(w_ptr, b_ptr, x_ptr, y_ptr, lo, hi, K: tl.constexpr, ROWS: tl.con
             xt = tl.load(x_ptr + (k + kk)[:, None] + c[None, :] * 0, mask=(c == 0)[None, :] & km[:, None], other=0.0,
                          cache_modifier=XCACHE)
         acc = tl.dot(w, xt, acc=acc)
-    y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows, mask=rm, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rm)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _attention_setup(pid, nsplit, pos_ptr, cos_sin_ptr, cache_ptr, kv_pos_ptr, kv_indices_ptr, kv_indptr_ptr,
+                     stride_cs, stride_page, stride_kv, stride_slot, stride_head, HKV: tl.constexpr, D: tl.constexpr,
+                     ROT: tl.constexpr, PAGE: tl.constexpr, D_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+                     REST_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """What program ``pid``'s attention needs that no earlier phase writes: its (kv head, split), the rotary
+    row, the request's length and pages, its range of positions and its first block of cached keys and values
+    (none for a program without a split)."""
+    HALF: tl.constexpr = ROT // 2
+    active = pid < HKV * nsplit
+    h = tl.minimum(pid // nsplit, HKV - 1)
+    s = pid % nsplit
+    d = tl.arange(0, HALF_PAD)
+    pos = tl.load(pos_ptr).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=d < HALF, other=0.0)
+    kv_pos = tl.load(kv_pos_ptr)  # the request holds kv_pos + 1 keys, the newest from qkv
+    first_page = tl.load(kv_indptr_ptr)
+    per_split = tl.cdiv(tl.cdiv(kv_pos + 1, nsplit), BLOCK) * BLOCK
+    start = tl.where(active, s * per_split, 0)
+    end = tl.where(active, tl.minimum(start + per_split, kv_pos + 1), 0)
+    stop = tl.minimum(end, kv_pos)  # cached keys of the range (the new one comes from registers)
+    k1, k2, kr, v, nm = _load_keys(cache_ptr, kv_indices_ptr, first_page, start, stop, h, stride_page, stride_kv,
+                                   stride_slot, stride_head, D, ROT, PAGE, D_PAD, HALF_PAD, REST_PAD, BLOCK)
+    return active, h, s, cos, sin, kv_pos, first_page, start, end, stop, k1, k2, kr, v, nm
 
 
 @triton.jit(do_not_specialize=["nsplit"],
@@ -109,9 +164,11 @@ def attention_half_kernel(
         ROT: tl.constexpr, PAGE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr,
         HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, QK_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
         QKV_ROWS: tl.constexpr, QKV_BK: tl.constexpr, O_ROWS: tl.constexpr, O_BK: tl.constexpr,
-        SPLIT_PAD: tl.constexpr, BLOCK: tl.constexpr, ROUTER_N: tl.constexpr,
+        SPLIT_PAD: tl.constexpr, BLOCK: tl.constexpr, ROUTER_N: tl.constexpr, FLIP: tl.constexpr = True,
+        PRE_ATTN: tl.constexpr = True, O_PRE: tl.constexpr = 0, PRE_NEXT: tl.constexpr = True,
         PHASE: tl.constexpr = -1, PDL: tl.constexpr = False, TIMING: tl.constexpr = False, t_ptr=None):
     FUSED: tl.constexpr = PHASE < 0
+    HAS_REST: tl.constexpr = ROT < D
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
@@ -125,50 +182,65 @@ def attention_half_kernel(
 
     # ---- phase 0: residual add + input norm, QKV rows ------------------------------------------------------
     if FUSED or PHASE == 0:
+        w1 = tl.load(norm1_ptr + hv, mask=hm, other=0.0).to(tl.float32)  # no earlier kernel writes it
         wait_prior(PDL, False)
         _clock(t_ptr, 1, TIMING)
         x = (tl.load(hid_ptr + hv, mask=hm, other=0.0).to(tl.float32)
              + tl.load(res_ptr + hv, mask=hm, other=0.0).to(tl.float32))
         inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-        w1 = tl.load(norm1_ptr + hv, mask=hm, other=0.0).to(tl.float32)
         my_xn = xn_ptr + pid * H
         tl.store(my_xn + hv, (x * inv * w1).to(xn_ptr.dtype.element_ty), mask=hm)
         if not FUSED:
             if pid == 0:
                 tl.store(xsum_ptr + hv, x, mask=hm)
         tl.debug_barrier()  # this program's copy of the norm is written before its GEMV reads it
-        _gemv_rows(wqkv_ptr, bqkv_ptr, my_xn, qkv_ptr, pid * NQKV // nprog, (pid + 1) * NQKV // nprog, H,
-                   QKV_ROWS, QKV_BK, HAS_BIAS, "")
+        lo = pid * NQKV // nprog
+        hi = (pid + 1) * NQKV // nprog
+        rows = lo + tl.arange(0, QKV_ROWS)
+        qkv = _gemv_rows(wqkv_ptr, my_xn, lo, hi, H, 0, QKV_ROWS, QKV_BK, "")
+        if HAS_BIAS:
+            qkv += tl.load(bqkv_ptr + rows, mask=rows < hi, other=0.0).to(tl.float32)
+        tl.store(qkv_ptr + rows, qkv.to(qkv_ptr.dtype.element_ty), mask=rows < hi)
         _clock(t_ptr, 2, TIMING)
-    _grid_sync(sync_ptr, nprog, FUSED)
+    arrival = _grid_arrive(sync_ptr, nprog, FUSED, FLIP)
+    # the attention's inputs that phase 0 does not write, read while waiting at the barrier (``PRE_ATTN``)
+    if (FUSED or PHASE == 1) and PRE_ATTN:
+        active, h, s, cos, sin, kv_pos, first_page, start, end, stop, k1, k2, kr, v, nm = _attention_setup(
+            pid, nsplit, pos_ptr, cos_sin_ptr, cache_ptr, kv_pos_ptr, kv_indices_ptr, kv_indptr_ptr, stride_cs,
+            stride_page, stride_kv, stride_slot, stride_head, HKV, D, ROT, PAGE, D_PAD, HALF_PAD, REST_PAD, BLOCK)
+    _grid_wait(sync_ptr, arrival, FUSED, FLIP)
     _clock(t_ptr, 3, TIMING)
 
     # ---- phase 1: attention of (kv head, split); the last split of a head merges them ----------------------
     if FUSED or PHASE == 1:
-        if pid < HKV * nsplit:
-            h = pid // nsplit
-            s = pid % nsplit
-            HALF: tl.constexpr = ROT // 2
-            d = tl.arange(0, HALF_PAD)
+        if not PRE_ATTN:
+            active, h, s, cos, sin, kv_pos, first_page, start, end, stop, k1, k2, kr, v, nm = _attention_setup(
+                pid, nsplit, pos_ptr, cos_sin_ptr, cache_ptr, kv_pos_ptr, kv_indices_ptr, kv_indptr_ptr, stride_cs,
+                stride_page, stride_kv, stride_slot, stride_head, HKV, D, ROT, PAGE, D_PAD, HALF_PAD, REST_PAD,
+                BLOCK)
+        if active:
             dd = tl.arange(0, D_PAD)
-            pos = tl.load(pos_ptr).to(tl.int64)
-            cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0)
-            sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=d < HALF, other=0.0)
             g = tl.arange(0, G_PAD)
             gm = g < G
             qh = h * G + g
             q1, q2, qr = _norm_rope_heads(qkv_ptr, qh, gm, q_norm_ptr, cos, sin, qk_eps, cdt, D, ROT, HALF_PAD,
                                           REST_PAD, QK_NORM, ".cg")
             q1, q2, qr = q1.to(cdt), q2.to(cdt), qr.to(cdt)
-            kv_pos = tl.load(kv_pos_ptr)  # the request holds kv_pos + 1 keys, the newest from qkv
-            first_page = tl.load(kv_indptr_ptr)
-            per_split = tl.cdiv(tl.cdiv(kv_pos + 1, nsplit), BLOCK) * BLOCK
-            start = s * per_split
-            end = tl.minimum(start + per_split, kv_pos + 1)
-            m_i, l_i, acc = _attend_split(q1, q2, qr, qkv_ptr, cos, sin, k_norm_ptr, qk_eps, cache_ptr, kv_indices_ptr,
-                                          first_page, kv_pos, start, end, h, stride_page, stride_kv, stride_slot,
-                                          stride_head, scale_log2, HQ, HKV, D, ROT, PAGE, G_PAD, D_PAD, HALF_PAD,
-                                          REST_PAD, QK_NORM, BLOCK, ".cg")
+            m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+            l_i = tl.zeros([G_PAD], tl.float32)
+            acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+            if start < stop:  # the first block, loaded with the setup
+                m_i, l_i, acc = _attend_keys(q1, q2, qr, k1, k2, kr, v, nm, m_i, l_i, acc, scale_log2, HAS_REST)
+            for n0 in range(start + BLOCK, stop, BLOCK):
+                k1n, k2n, krn, vn, nmn = _load_keys(cache_ptr, kv_indices_ptr, first_page, n0, stop, h, stride_page,
+                                                    stride_kv, stride_slot, stride_head, D, ROT, PAGE, D_PAD,
+                                                    HALF_PAD, REST_PAD, BLOCK)
+                m_i, l_i, acc = _attend_keys(q1, q2, qr, k1n, k2n, krn, vn, nmn, m_i, l_i, acc, scale_log2, HAS_REST)
+            if (start <= kv_pos) & (kv_pos < end):  # this split holds the new token: attend to it, then cache it
+                m_i, l_i, acc = _attend_new(q1, q2, qr, qkv_ptr, cos, sin, k_norm_ptr, qk_eps, cache_ptr,
+                                            kv_indices_ptr, first_page, kv_pos, h, stride_page, stride_kv,
+                                            stride_slot, stride_head, scale_log2, m_i, l_i, acc, HQ, HKV, D, ROT,
+                                            PAGE, D_PAD, HALF_PAD, REST_PAD, QK_NORM, ".cg")
             _store_partial(part_o_ptr, part_ml_ptr, qh * nsplit + s, gm, m_i, l_i, acc, D, D_PAD)  # [HQ, nsplit]
             # the last split of kv head h to finish merges its heads' splits into the output row
             tl.debug_barrier()
@@ -179,34 +251,52 @@ def attention_half_kernel(
                          mask=gm[:, None] & (dd[None, :] < D))
                 tl.atomic_xchg(counter_ptr + h, 0)  # ready for the next launch
         _clock(t_ptr, 4, TIMING)
-    _grid_sync(sync_ptr, nprog, FUSED)
+    arrival = _grid_arrive(sync_ptr, nprog, FUSED, FLIP)
+    # the first O_PRE columns of this program's output-projection rows, into registers while waiting
+    olo = pid * H // nprog
+    ohi = (pid + 1) * H // nprog
+    orows = olo + tl.arange(0, O_ROWS)
+    if (FUSED or PHASE == 2) and O_PRE > 0:
+        ocol = tl.arange(0, O_PRE)
+        wo_pre = tl.load(wo_ptr + orows.to(tl.int64)[:, None] * HQD + ocol[None, :], mask=(orows < ohi)[:, None],
+                         other=0.0)
+    _grid_wait(sync_ptr, arrival, FUSED, FLIP)
     _clock(t_ptr, 5, TIMING)
 
     # ---- phase 2: output projection rows --------------------------------------------------------------------
     if FUSED or PHASE == 2:
-        _gemv_rows(wo_ptr, wo_ptr, ao_ptr, y_ptr, pid * H // nprog, (pid + 1) * H // nprog, HQD, O_ROWS, O_BK, False,
-                   ".cg")
+        yo = _gemv_rows(wo_ptr, ao_ptr, olo, ohi, HQD, O_PRE, O_ROWS, O_BK, ".cg")
+        if O_PRE > 0:
+            xo = tl.load(ao_ptr + ocol, cache_modifier=".cg").to(tl.float32)
+            yo += tl.sum(wo_pre.to(tl.float32) * xo[None, :], axis=1)
+        tl.store(y_ptr + orows, yo.to(y_ptr.dtype.element_ty), mask=orows < ohi)
         _clock(t_ptr, 6, TIMING)
-    _grid_sync(sync_ptr, nprog, FUSED)
+    arrival = _grid_arrive(sync_ptr, nprog, FUSED, FLIP)
+    # the post-attention norm's weight and this program's router row (``PRE_NEXT``: while waiting)
+    if (FUSED or PHASE == 3) and PRE_NEXT:
+        w2 = tl.load(norm2_ptr + hv, mask=hm, other=0.0).to(tl.float32)
+        wr = tl.load(router_ptr + pid * H + hv, mask=hm & (pid < router_rows) & (pid < ROUTER_N), other=0.0)
+    _grid_wait(sync_ptr, arrival, FUSED, FLIP)
     _clock(t_ptr, 7, TIMING)
 
     # ---- phase 3: residual add + post-attention norm, the router's logits -----------------------------------
     if FUSED or PHASE == 3:
         let_next_start(PDL)
+        if not PRE_NEXT:
+            w2 = tl.load(norm2_ptr + hv, mask=hm, other=0.0).to(tl.float32)
+            wr = tl.load(router_ptr + pid * H + hv, mask=hm & (pid < router_rows) & (pid < ROUTER_N), other=0.0)
         if not FUSED:
             x = tl.load(xsum_ptr + hv, mask=hm, other=0.0)
         y = tl.load(y_ptr + hv, mask=hm, other=0.0, cache_modifier=".cg").to(tl.float32)
         x2 = y + x.to(res_ptr.dtype.element_ty).to(tl.float32)  # the residual as phase 0 left it, rounded
         inv2 = 1.0 / tl.sqrt(tl.sum(x2 * x2, axis=0) / H + eps)
-        w2 = tl.load(norm2_ptr + hv, mask=hm, other=0.0).to(tl.float32)
         h2 = (x2 * inv2 * w2).to(out_ptr.dtype.element_ty)
         mine = hm & (hv >= pid * H // nprog) & (hv < (pid + 1) * H // nprog)
         tl.store(res_ptr + hv, x2.to(res_ptr.dtype.element_ty), mask=mine)
         tl.store(out_ptr + hv, h2, mask=mine)
         if ROUTER_N > 0:
             if pid < ROUTER_N:
-                wr = tl.load(router_ptr + pid * H + hv, mask=hm & (pid < router_rows), other=0.0).to(tl.float32)
-                tl.store(parts_ptr + pid, tl.sum(wr * h2.to(tl.float32), axis=0))
+                tl.store(parts_ptr + pid, tl.sum(wr.to(tl.float32) * h2.to(tl.float32), axis=0))
 
 
 def router_columns(rows: int) -> int:
@@ -248,12 +338,16 @@ class LayerWorkspace:
 
 
 def layer_config(hidden: int, nqkv: int, hqd: int, num_sms: int) -> dict:
-    """Tiles: each program's share of the QKV and output rows in one tile (at least 16 rows, the smallest
-    ``tl.dot``), K tiles of 256 and 512."""
+    """Tiles and options: each program's share of the QKV and output rows in one tile (at least 16 rows, the
+    smallest ``tl.dot``), K tiles of 256 and 512; the one-word barrier (``FLIP``); the attention's inputs and the
+    norm and router weights read before the barriers that precede their phases (``PRE_ATTN``, ``PRE_NEXT``); and
+    ``O_PRE`` columns of the output projection's rows (a power of two, 16K elements a program, ~32 registers a
+    thread at 4 warps) loaded into registers before the barrier that precedes that projection."""
     p2 = triton.next_power_of_2
+    o_rows = max(16, p2(-(-hidden // num_sms)))
     return {"QKV_ROWS": max(16, p2(-(-nqkv // num_sms))), "QKV_BK": min(256, p2(hidden)),
-            "O_ROWS": max(16, p2(-(-hidden // num_sms))), "O_BK": min(512, p2(hqd)), "num_warps": 4,
-            "num_stages": 3}
+            "O_ROWS": o_rows, "O_BK": min(512, p2(hqd)), "num_warps": 4, "num_stages": 3, "FLIP": True,
+            "PRE_ATTN": True, "O_PRE": min(16384 // o_rows, 1 << (hqd.bit_length() - 1)), "PRE_NEXT": True}
 
 
 def attention_half(hidden: torch.Tensor, residual: torch.Tensor, norm1: torch.Tensor, w_qkv: torch.Tensor,
@@ -313,8 +407,8 @@ def attention_half(hidden: torch.Tensor, residual: torch.Tensor, norm1: torch.Te
               REST_PAD=max(16, p2(head_dim - rot)), QK_NORM=norm, HAS_BIAS=b_qkv is not None,
               QKV_ROWS=c["QKV_ROWS"], QKV_BK=c["QKV_BK"], O_ROWS=c["O_ROWS"], O_BK=c["O_BK"],
               SPLIT_PAD=max(2, p2(ws.nsplit)), BLOCK=BLOCK_KEYS,
-              ROUTER_N=router_n, num_warps=c["num_warps"],
-              num_stages=c["num_stages"])
+              ROUTER_N=router_n, num_warps=c["num_warps"], num_stages=c["num_stages"],
+              **{k: c[k] for k in ("FLIP", "PRE_ATTN", "O_PRE", "PRE_NEXT") if k in c})
     if timing is not None:
         kw.update(TIMING=True, t_ptr=timing)
     grid = (ws.num_sms,)
