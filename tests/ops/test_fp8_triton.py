@@ -2,10 +2,18 @@
 
 Triton 3.6's interpreter loads e4m3, multiplies e4m3 tiles exactly and applies the block scales, so the
 grouped GEMMs are checked for real: float32 results match ``moeserve.quant.moe_ref.fp8_moe_reference`` to
-2e-3 relative Frobenius error, float16 ones to 5e-3, and cases of 17+ tokens stay within the FP8 bound
-(8e-2) of the unquantised float64 experts (measured up to 0.070 over 300 seeds). Measured over 40 seeds:
-float32 2e-7-4e-7, except when the Triton and torch SiLU differ in the last bit at an e4m3 rounding tie of
-the re-quantised SwiGLU output (3 of 40 seeds, up to 2e-4); float16 up to 6.4e-4. The interpreter's
+1e-5 relative Frobenius error, float16 ones to 5e-3, beyond the slack of ``_requant_slack`` (below), and
+cases of 17+ tokens stay within the FP8 bound (8e-2) of the unquantised float64 experts (measured up to
+0.074 over 250 seeds). Measured beyond the slack: float32 up to 6e-7 (200-400 seeds a case, 60 for T33),
+float16 up to 3.7e-4 (60 seeds; the float16 output's rounding).
+
+The slack: the kernel sums the first GEMM in another order than the reference, so the SwiGLU output and its
+1x128 scales differ in the last float32 bits, and a value of the re-quantised SwiGLU output within that of an
+e4m3 rounding midpoint takes the neighbouring code: one e4m3 step (2^-4..2^-3 of the value) on one element,
+which reaches the output through one column of W2. About one seed in ten of T17-k3-default takes one such
+code; over 871 seeds the error it made reached 3.9e-3, above 2e-3 twice (seed 1436314942: 136.00003 against
+136.0 in units of the group scale, the midpoint of e4m3 128 and 144, on a token of weight 0.22: 2.2e-3), and
+T1 reached 1.3e-2 once in 601 seeds (508533169: 232.00002 against 231.99995). The interpreter's
 float32 -> e4m3 conversion, however, drops the carry when a value rounds up to the next power of two
 (7.86 -> 4.0), so the Triton activation quantiser is checked here only for its scales (exact) and layout
 (>= 95% of values identical; the GPU test asserts >= 99.9%), and ``fused_moe_fp8`` quantises activations in
@@ -18,16 +26,22 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from moeserve.quant.fp8 import block_quant_fp8, per_token_group_quant_fp8  # noqa: E402
+from moeserve.quant.fp8 import (BLOCK, FP8_DTYPE, FP8_MAX, block_dequant_fp8, block_quant_fp8,  # noqa: E402
+                                per_token_group_dequant, per_token_group_quant_fp8)
 from moeserve.quant.moe_ref import fp8_moe_reference  # noqa: E402
 from moe_cases import random_moe_inputs, reference_moe  # noqa: E402
 from triton_interpreter import is_worker, patch_for_numpy, run_worker  # noqa: E402
 
 SEED = int(os.environ.get("MOESERVE_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-FP32_REL, FP16_REL, FP8_REL = 2e-3, 5e-3, 8e-2
+FP32_REL, FP16_REL, FP8_REL = 1e-5, 5e-3, 8e-2
+# |z_kernel - z_reference| for z = (SwiGLU output) / (its group scale), |z| <= 448, measured over 20-60 seeds of
+# T5, T17 and T33 in float32: up to 2.3e-4 for |z| < 8, 3.2e-4 below 32, 4.3e-4 below 128, 1.0e-3 up to 448.
+# ``_requant_slack`` takes values within 2^-10 + 2^-17 |z| of an e4m3 rounding midpoint (3.4x to 4.3x those).
+REQUANT_ABS, REQUANT_REL = 2.0 ** -10, 2.0 ** -17
 
 CFG_32 = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
 CFG_64 = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=2, num_warps=4, num_stages=2)
@@ -72,6 +86,35 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
+def _requant_slack(x, q13, s13, q2, s2, tw, ti):
+    """``[T, H]`` float64: how far, elementwise, a correct kernel may be from ``fp8_moe_reference`` through the
+    e4m3 codes of the re-quantised SwiGLU output. A value ``z`` (in units of its group scale) within
+    ``REQUANT_ABS + REQUANT_REL * |z|`` of a rounding midpoint may take the neighbouring code in the kernel, a
+    step of ``(code above - code below) * scale``, which reaches column ``h`` of its token's output as
+    ``w * step * |W2[e][h, c]|``. The intermediates are the reference's."""
+    inter = q2.shape[-1]
+    xq = per_token_group_dequant(*per_token_group_quant_fp8(x))
+    ids = ti.to(torch.int64)
+    slack = torch.zeros(x.shape, dtype=torch.float64)
+
+    def code(z):
+        return z.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).double()
+
+    for e in ids.unique().tolist():
+        if e < 0:
+            continue
+        tok, slot = torch.where(ids == e)
+        h = (xq[tok] @ block_dequant_fp8(q13[e], s13[e]).t()).to(x.dtype).float()
+        act = (F.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype).float()
+        scale = per_token_group_quant_fp8(act)[1].repeat_interleave(BLOCK, dim=-1)[:, :inter]
+        z = act / scale
+        width = REQUANT_ABS + REQUANT_REL * z.abs()
+        step = (code(z + width) - code(z - width)) * scale.double()
+        w2_abs = block_dequant_fp8(q2[e], s2[e]).double().abs()
+        slack.index_add_(0, tok, (step @ w2_abs.t()) * tw[tok, slot, None].double())
+    return slack
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_fused_moe_fp8_interpreter(interpreted, name):
     inputs, outputs = interpreted
@@ -82,7 +125,12 @@ def test_fused_moe_fp8_interpreter(interpreted, name):
         return
     ref = fp8_moe_reference(x, q13, s13, q2, s2, tw, ti)
     bound = FP32_REL if x.dtype == torch.float32 else FP16_REL
-    assert _rel(y, ref) < bound, f"seed {SEED}: {_rel(y, ref):.3g} vs the FP8 reference"
+    slack = _requant_slack(x, q13, s13, q2, s2, tw, ti)
+    ref_norm = ref.double().norm().clamp_min(1e-30)
+    beyond = float(((y.double() - ref.double()).abs() - slack).clamp_min(0).norm() / ref_norm)
+    assert beyond < bound, (f"seed {SEED}: {_rel(y, ref):.3g} vs the FP8 reference, {beyond:.3g} beyond the slack "
+                            f"({float(slack.norm() / ref_norm):.3g}) of re-quantised SwiGLU values at e4m3 "
+                            f"rounding midpoints")
     if x.shape[0] >= 17:  # a few tokens' outputs are too short for a stable error (T=1: up to 0.107 in 300 seeds)
         x32, w13, w2, tw, ti = inputs["raw"][name]
         full = reference_moe(x32, w13, w2, tw, ti)
