@@ -7,10 +7,9 @@ QKV GEMV, attention, output GEMV, add + RMSNorm, the router's partial sums), eac
 each too short to reach the memory bandwidth: in a c=1 step of Qwen1.5-MoE on an H200 it took 28.4 us a layer
 against 9.1 us of reads. Here one program per SM runs four phases separated by grid-wide barriers (one word
 whose top bit each barrier flips, as CUDA's cooperative groups do it; every program is resident at once, as the
-grid is the SM count and a program fits an SM). What a phase reads that no earlier phase writes is loaded before
-the barrier in front of it, while the program waits there anyway: the attention's positions, pages and first
-block of cached keys and values, part of the output projection's rows (into registers), the norm and router
-weights:
+grid is the SM count and a program fits an SM). What a phase reads that no earlier phase writes is loaded between
+the arrival at the barrier in front of it and the wait there: the attention's positions, pages and first block of
+cached keys and values, part of the output projection's rows (into registers), the norm and router weights:
 
 0. every program adds the residual, norms it (each its own copy, ``xn``) and computes its contiguous share of
    the QKV rows (a GEMV, bias added);
