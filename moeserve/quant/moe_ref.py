@@ -13,6 +13,21 @@ import torch.nn.functional as F
 from moeserve.quant.fp8 import block_dequant_fp8, per_token_group_dequant, per_token_group_quant_fp8
 
 
+def fp8_expert_activations(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, inter: int,
+                           topk_ids: torch.Tensor):
+    """Per expert ``e`` that ``topk_ids`` picks on this rank: ``(e, token_idx, slot, act)``, where ``act`` is the
+    SwiGLU output ``silu(G_e Q(x_t)) * U_e Q(x_t)`` of those tokens in ``x.dtype``, before its re-quantisation
+    (the intermediates of :func:`fp8_moe_reference`)."""
+    xq = per_token_group_dequant(*per_token_group_quant_fp8(x))
+    ids = topk_ids.to(torch.int64)
+    for e in ids.unique().tolist():
+        if e < 0:  # an expert of another rank
+            continue
+        token_idx, slot = torch.where(ids == e)
+        h = (xq[token_idx] @ block_dequant_fp8(w13[e], w13_scale[e]).t()).to(x.dtype).float()
+        yield e, token_idx, slot, (F.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype)
+
+
 def fp8_moe_reference(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                       w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """``sum_j w[t,j] * W2[e] Q(silu(G_e Q(x_t)) * U_e Q(x_t))`` over ``e = ids[t,j]``, returned in ``x.dtype``.
@@ -21,15 +36,7 @@ def fp8_moe_reference(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
     e4m3 ``[E, H, I]`` with scales ``[E, ceil(H/128), ceil(I/128)]``; ``topk_weights`` ``[T, k]`` float32.
     """
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    inter = w2.shape[-1]
-    xq = per_token_group_dequant(*per_token_group_quant_fp8(x))
-    ids = topk_ids.to(torch.int64)
-    for e in ids.unique().tolist():
-        if e < 0:  # an expert of another rank
-            continue
-        token_idx, slot = torch.where(ids == e)
-        h = (xq[token_idx] @ block_dequant_fp8(w13[e], w13_scale[e]).t()).to(x.dtype).float()
-        act = (F.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype)
+    for e, token_idx, slot, act in fp8_expert_activations(x, w13, w13_scale, w2.shape[-1], topk_ids):
         actq = per_token_group_dequant(*per_token_group_quant_fp8(act))
         y = actq @ block_dequant_fp8(w2[e], w2_scale[e]).t()
         out.index_add_(0, token_idx, y * topk_weights[token_idx, slot, None].float())

@@ -26,13 +26,12 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
 from moeserve.quant.fp8 import (BLOCK, FP8_DTYPE, FP8_MAX, block_dequant_fp8, block_quant_fp8,  # noqa: E402
-                                per_token_group_dequant, per_token_group_quant_fp8)
-from moeserve.quant.moe_ref import fp8_moe_reference  # noqa: E402
+                                per_token_group_quant_fp8)
+from moeserve.quant.moe_ref import fp8_expert_activations, fp8_moe_reference  # noqa: E402
 from moe_cases import random_moe_inputs, reference_moe  # noqa: E402
 from triton_interpreter import is_worker, patch_for_numpy, run_worker  # noqa: E402
 
@@ -93,19 +92,13 @@ def _requant_slack(x, q13, s13, q2, s2, tw, ti):
     step of ``(code above - code below) * scale``, which reaches column ``h`` of its token's output as
     ``w * step * |W2[e][h, c]|``. The intermediates are the reference's."""
     inter = q2.shape[-1]
-    xq = per_token_group_dequant(*per_token_group_quant_fp8(x))
-    ids = ti.to(torch.int64)
     slack = torch.zeros(x.shape, dtype=torch.float64)
 
     def code(z):
         return z.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).double()
 
-    for e in ids.unique().tolist():
-        if e < 0:
-            continue
-        tok, slot = torch.where(ids == e)
-        h = (xq[tok] @ block_dequant_fp8(q13[e], s13[e]).t()).to(x.dtype).float()
-        act = (F.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype).float()
+    for e, tok, slot, act in fp8_expert_activations(x, q13, s13, inter, ti):
+        act = act.float()
         scale = per_token_group_quant_fp8(act)[1].repeat_interleave(BLOCK, dim=-1)[:, :inter]
         z = act / scale
         width = REQUANT_ABS + REQUANT_REL * z.abs()
