@@ -269,6 +269,10 @@ class EngineConfig(_Strict):
         "moe_fuse_shared_expert does for every step, where it applies (a shared expert, unquantised experts, one "
         "GPU, the Triton or torch MoE, no torch_compile); larger steps run it apart, beside the routed experts, so "
         "its weights are held twice; 0 none (on an H200 the fused MoE was faster at one token, slower at two)")
+    moe_fused_shared_early: bool = Field(
+        True, description="one-token steps that run the shared expert inside the Triton MoE (with PDL): the first "
+        "expert GEMM's tiles of the shared expert come first and stream their weights while the routing still runs, "
+        "as they need only the layer's input; false: every tile waits for the routing")
     moe_fuse_norm: bool = Field(
         False, description="Triton MoE on unquantised experts, one GPU: the MoE combine also adds the block's output "
         "to the residual and applies the next layer's input norm (or the final norm), one launch per layer fewer")

@@ -111,6 +111,13 @@ class RuntimePlan:
                 and not self.config.torch_compile)
 
     @property
+    def moe_fused_shared_early(self) -> bool:
+        """Whether one-token steps start the fused shared expert's tiles of the Triton MoE while the routing runs
+        (``moe_fused_shared_early``; with the shared expert fused into the Triton MoE for one-token steps)."""
+        return (self.config.moe_fused_shared_early and self.fused_shared_expert_steps is not None
+                and self.backends["moe"].name == "triton")
+
+    @property
     def router_fuse_norm(self) -> bool:
         """Whether small steps fold the post-attention norm into the router's partial sums (``router_fuse_norm``;
         where the router takes its GEMM): one rank, not under torch.compile."""
@@ -159,6 +166,7 @@ class RuntimePlan:
                 "fuse_shared_expert": fused is not None,
                 "fuse_shared_expert_pieces": self.config.moe_fuse_shared_expert_pieces if fused is not None else 0,
                 "fuse_shared_expert_max_tokens": fused or 0,
+                "fused_shared_early": self.moe_fused_shared_early,
                 "fuse_norm": moe and self.moe_fuse_norm,
                 "router_fuse_norm": (bool(routing) and self.config.router_split_k_max_tokens > 0
                                      and self.router_fuse_norm),

@@ -37,6 +37,9 @@ class Ops:
     # Small steps fold the post-attention residual add and norm into the router's split-K partial sums
     # (``router_fuse_norm``) where the router can.
     router_fuse_norm: bool = False
+    # One-token steps that run a fused shared expert in the Triton MoE start its pieces' tiles while the routing
+    # runs (``moe_fused_shared_early``).
+    moe_fused_shared_early: bool = False
     parallel: Parallel = field(default_factory=Parallel)  # this rank's place among the GPUs (one rank: no split)
 
 

@@ -226,8 +226,11 @@ class SparseMoE(nn.Module):
         apart = (self.fused_rest if fused else self.shared_expert) is not None
         logits = partials if partials is not None else self.router_logits(x)
         if isinstance(logits, RouterPartials):  # the routing kernel adds them up and writes the logits
+            # the fused MoE's shared-expert tiles may start with the routing kernel: they read x, which the router
+            # did not write (with partials given, the router wrote it: no)
+            early = bool(fused) and self.ops.moe_fused_shared_early and x.shape[0] == 1 and partials is None
             weights, ids, logits = self.router.route_partials(logits, self.num_experts, shared=fused,
-                                                              gated=self.shared_gate_in_router)
+                                                              gated=self.shared_gate_in_router, let_early=early)
             if fused and not apart:
                 return weights, ids, None
             e = self.num_experts

@@ -119,3 +119,81 @@ def test_a_layer_of_pdl_kernels_in_a_cuda_graph_matches_the_same_without_pdl_and
         assert err < BF16_REL_FRO, f"seed {SEED}: replay {replay}: last GEMM relative error {err:.3g}"
         # the replay's input reached the end of the chain: the output differs from the one before
         assert not torch.equal(o["out"], outs[1]["eager"]["out"])
+
+
+PIECES = 4  # Qwen1.5-MoE's shared expert: 5,632 rows, four pieces of the expert size
+
+
+def _fused_shared_layer(gen, lw):
+    """The layer's routed experts with a shared expert of ``PIECES * I`` rows appended as ``PIECES`` more experts
+    (``SparseMoE.fuse_shared_expert``'s layout), and that shared expert's own weights for the reference."""
+    from moeserve.ops.moe.triton_kernels import interleave_gate_up
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=gen, device="cuda") / shape[-1] ** 0.5).bfloat16()
+    s = PIECES * I
+    gate_up, down = w(2 * s, H), w(H, s)
+    w13 = torch.cat([gate_up[:s].view(PIECES, I, H), gate_up[s:].view(PIECES, I, H)], dim=1)
+    w2 = down.view(H, PIECES, I).transpose(0, 1)
+    return {"w13f": interleave_gate_up(torch.cat([lw["w13_ref"], w13])), "w2f": torch.cat([lw["w2"], w2]).contiguous(),
+            "gate_up": gate_up, "down": down}
+
+
+def _fused_step(x, lw, fl, early):
+    """A one-token step's MoE block with the shared expert fused (the norm stands in as a GEMV and an add, the
+    router's partial sums, routing, the fused MoE) with its shared-expert tiles started early or not."""
+    from moeserve.ops.linear_triton import gemv
+    from moeserve.ops.moe.routing_triton import router_partials, topk_route_partials
+    from moeserve.ops.moe.triton_kernels import fused_moe
+    h = gemv(x, lw["wo"]) + x
+    weights, ids, logits = topk_route_partials(router_partials(h, lw["router"]), E, "softmax", K, shared=PIECES,
+                                               gated=True, let_early=early)
+    out = fused_moe(h, fl["w13f"], fl["w2f"], weights, ids, pairwise_max_tokens=1, interleaved=True,
+                    fixed_tail=PIECES if early else 0)
+    return {"h": h, "weights": weights, "ids": ids, "logits": logits, "out": out}
+
+
+def test_a_fused_shared_expert_started_before_the_routing_matches_it_started_after_in_a_cuda_graph():
+    """One-token steps with the shared expert fused into the MoE (``moe_fused_shared_early``): the routing kernel
+    lets the MoE start at once and the shared expert's tiles stream their weights before waiting for it. Captured
+    with PDL, replayed with fresh inputs, the step's outputs are bit-identical to the same chain without PDL and
+    without early tiles (a tile that read the layer's input before its writer had finished would see the previous
+    replay's), and the MoE output matches the float32 formula of routed plus gated shared expert."""
+    from moeserve.ops import pdl
+    gen = torch.Generator(device="cuda").manual_seed(SEED)
+    lw = _layer(gen)
+    fl = _fused_shared_layer(gen, lw)
+    x = torch.randn(1, H, generator=gen, device="cuda").bfloat16()
+    capture = torch.cuda.Stream()
+    arms = {"pdl-early": (8192, True), "pdl": (8192, False), "plain": (0, False)}
+    graphs, outs = {}, {}
+    capture.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(capture):
+        for arm, (bound, early) in arms.items():
+            with pdl.enabled_as(bound):
+                _fused_step(x, lw, fl, early)  # compiles and loads outside the capture
+                graphs[arm] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graphs[arm], stream=capture):
+                    outs[arm] = _fused_step(x, lw, fl, early)
+    torch.cuda.current_stream().wait_stream(capture)
+    torch.cuda.synchronize()
+    before = None
+    for replay in range(20):
+        x.copy_(torch.randn(1, H, generator=gen, device="cuda").bfloat16())
+        for arm in arms:
+            graphs[arm].replay()
+        torch.cuda.synchronize()
+        for arm in ("pdl-early", "pdl"):
+            for name in ("h", "ids", "weights", "out"):
+                assert torch.equal(outs[arm][name], outs["plain"][name]), f"seed {SEED}: replay {replay}: {arm} {name}"
+        o = outs["pdl-early"]
+        assert o["ids"][0, K:].tolist() == list(range(E, E + PIECES))
+        h = o["h"].float()
+        shared = (F.silu(h @ fl["gate_up"][:PIECES * I].float().T) * (h @ fl["gate_up"][PIECES * I:].float().T)
+                  ) @ fl["down"].float().T
+        ref = (reference_moe(o["h"], lw["w13_ref"], lw["w2"], o["weights"][:, :K], o["ids"][:, :K],
+                             dtype=torch.float32) + torch.sigmoid(o["logits"][:, E:E + 1].float()) * shared)
+        err = float((o["out"].float() - ref).norm() / ref.norm())
+        assert err < BF16_REL_FRO, f"seed {SEED}: replay {replay}: MoE output relative error {err:.3g}"
+        assert before is None or not torch.equal(o["out"], before)  # the replay's input reached the output
+        before = o["out"].clone()

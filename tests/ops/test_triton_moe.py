@@ -98,6 +98,13 @@ INTERLEAVED_CASES = {
     "T33-B-fp16": (33, 8, 2, torch.float16, CFG_B, False, False),
     "T17-even-K-masked": (17, 4, 3, torch.float32, CFG_EVEN, False, True),
 }
+# name: (E, routed k, fixed experts, dtype, config, interleaved): one token whose last ids are always the last
+# experts (a fused shared expert's pieces, ``fused_moe``'s ``fixed_tail``): their tiles run first
+FIXED_TAIL_CASES = {
+    "k3-fixed2": (8, 3, 2, torch.float32, None, False),
+    "k2-fixed4-interleaved-A": (10, 2, 4, torch.float32, CFG_A, True),
+    "k4-fixed1-interleaved-fp16": (9, 4, 1, torch.float16, CFG_B, True),
+}
 COMBINE_BF16_TOL = 1e-2  # relative, one bf16 rounding of a float32 sum (2**-8 = 3.9e-3 per element at most)
 
 
@@ -154,7 +161,7 @@ def _interpreter_worker(in_path: str, out_path: str) -> None:
     inputs = torch.load(in_path)
     from moeserve.ops.moe.combine import AddNorm
     out = {"moe": {}, "align": {}, "combine": {}, "masked": {}, "pairwise": {}, "interleaved": {},
-           "combine_norm": {}, "expert_tile": {}}
+           "combine_norm": {}, "expert_tile": {}, "fixed_tail": {}}
     for name, (ids, k) in inputs["expert_tile"].items():
         numel = ids.numel()
         block_m = max(16, 1 << (numel // k - 1).bit_length())
@@ -188,6 +195,10 @@ def _interpreter_worker(in_path: str, out_path: str) -> None:
     for name, (x, w13, w2, tw, ti, cfg, pairwise, masked) in inputs["interleaved"].items():
         out["interleaved"][name] = fused_moe(x, interleave_gate_up(w13), w2, tw, ti, config=cfg, interleaved=True,
                                              pairwise_max_tokens=x.shape[0] if pairwise else 0, masked_ids=masked)
+    for name, (x, w13, w2, tw, ti, cfg, inter, fixed) in inputs["fixed_tail"].items():
+        w = interleave_gate_up(w13) if inter else w13
+        out["fixed_tail"][name] = [fused_moe(x, w, w2, tw, ti, config=cfg, pairwise_max_tokens=1, interleaved=inter,
+                                             fixed_tail=f) for f in (0, fixed)]
     torch.save(out, out_path)
 
 
@@ -235,8 +246,16 @@ def interpreted(tmp_path_factory):
     for name, (T, E, k, share) in EXPERT_TILE_CASES.items():
         ids = random_routing(T, E, k, gen)[1]
         expert_tile[name] = (ids.masked_fill(torch.rand(ids.shape, generator=gen) < share, -1).flatten(), k)
+    fixed_tail = {}
+    for name, (E, k, fixed, dtype, cfg, inter) in FIXED_TAIL_CASES.items():
+        x, w13, w2, tw, ti = random_moe_inputs(1, E - fixed, k, 72, 40, dtype, gen)
+        _, w13, w2, _, _ = random_moe_inputs(1, E, k, 72, 40, dtype, gen)
+        ti = torch.cat([ti, torch.arange(E - fixed, E, dtype=ti.dtype)[None]], 1)
+        tw = torch.cat([tw, torch.rand(1, fixed, generator=gen)], 1)
+        fixed_tail[name] = (x, w13, w2, tw, ti, cfg, inter, fixed)
     inputs = {"moe": moe, "align": align, "combine": combine, "masked": masked, "pairwise": pairwise,
-              "interleaved": interleaved, "combine_norm": combine_norm, "expert_tile": expert_tile}
+              "interleaved": interleaved, "combine_norm": combine_norm, "expert_tile": expert_tile,
+              "fixed_tail": fixed_tail}
     return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("interp"), SEED)
 
 
@@ -317,6 +336,26 @@ def test_pairwise_fused_moe_interpreter(interpreted, name):
     x, w13, w2, tw, ti, _ = inputs["pairwise"][name]
     y = outputs["pairwise"][name]
     assert_matches_reference(y, x, reference_moe(x, w13, w2, tw, ti))
+
+
+@pytest.mark.parametrize("name", list(FIXED_TAIL_CASES))
+def test_fixed_tail_tiles_first_compute_the_same_moe_interpreter(interpreted, name):
+    """One token whose last ids are fixed experts (``fixed_tail``: their tiles first in the grid, the routed
+    pairs after them): the same output, bit for bit, as the tiles in pair order, and the MoE of the reference."""
+    inputs, outputs = interpreted
+    x, w13, w2, tw, ti, _, _, fixed = inputs["fixed_tail"][name]
+    plain, early = outputs["fixed_tail"][name]
+    assert torch.equal(early, plain), f"seed {SEED}: fixed_tail={fixed} changed the output"
+    assert_matches_reference(early, x, reference_moe(x, w13, w2, tw, ti))
+
+
+def test_fixed_tail_is_refused_outside_one_tokens_pairs():
+    from moeserve.ops.moe.triton_kernels import invoke_fused_moe_kernel
+    a, b = torch.zeros(1, 8), torch.zeros(4, 16, 8)
+    c, ids = torch.zeros(2, 16), torch.zeros(2, dtype=torch.int32)  # one token's two pairs
+    for kw in ({"pairwise": False}, {"pairwise": True, "route_k": 2}, {"pairwise": True, "early": 3}):
+        with pytest.raises(ValueError, match="early="):
+            invoke_fused_moe_kernel(a, b, c, None, ids, ids, ids, 2, CFG_A, **{"early": 1, **kw})
 
 
 @pytest.mark.parametrize("name", list(EXPERT_TILE_CASES))

@@ -34,7 +34,7 @@ import triton.language as tl
 from moeserve.ops.eager import eager
 from moeserve.ops.moe.routing_config import RouterPartials
 from moeserve.ops.pdl import launch_kwargs
-from moeserve.ops.pdl_triton import wait_prior
+from moeserve.ops.pdl_triton import let_next_start, wait_prior
 
 MAX_EXPERTS = 4096
 MAX_TOPK = 64
@@ -153,11 +153,17 @@ def _add_norm_router_partial_kernel(x_ptr, res_ptr, nw_ptr, h_ptr, res_out_ptr, 
 def _topk_route_partials_kernel(part_ptr, T, logits_ptr, weights_ptr, ids_ptr, E, ROWS, SPLITS,
                                 K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
                                 SOFTMAX: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr = 0,
-                                GATED: tl.constexpr = False, PDL: tl.constexpr = False):
+                                GATED: tl.constexpr = False, PDL: tl.constexpr = False,
+                                LET_EARLY: tl.constexpr = False):
     """Adds one token's partial sums (``part [SPLITS, T, BLOCK_E]``, loaded at once), rounds them to the logits'
     dtype as a GEMM writing them would, stores the ``ROWS`` logits (the shared expert's gate among them) and
-    routes on the first ``E``."""
-    wait_prior(PDL)
+    routes on the first ``E``. ``LET_EARLY``: the next kernel may be scheduled as soon as this one is, before
+    it waits for the router (see :func:`topk_route_partials`)."""
+    if LET_EARLY:
+        let_next_start(PDL)
+        wait_prior(PDL, LET_NEXT=False)
+    else:
+        wait_prior(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     offs_s = tl.arange(0, BLOCK_S)
@@ -276,10 +282,15 @@ def add_norm_router_partials(x: torch.Tensor, residual: torch.Tensor, norm_weigh
 
 
 def topk_route_partials(p: RouterPartials, num_experts: int, method: str, top_k: int, renormalize: bool = False,
-                        shared: int = 0, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        shared: int = 0, gated: bool = False, let_early: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`topk_route` of the logits whose partial sums ``p`` holds (their first ``num_experts`` columns;
     with ``gated``, column ``num_experts`` is the shared expert's gate). Returns ``(weights, ids, logits)``,
-    the logits ``[T, rows]`` in ``p.dtype`` as the router's GEMM would have written them."""
+    the logits ``[T, rows]`` in ``p.dtype`` as the router's GEMM would have written them. ``let_early``
+    (launched with PDL): the next kernel may start as soon as this one does, while the router that wrote the
+    partial sums still runs; then only what was complete before the router's own wait (its input, not written
+    by the router) may be read by that kernel before it waits: the fused MoE's tiles of a shared expert
+    (``triton_kernels.fused_moe``'s ``fixed_tail``)."""
     splits, t, block_e = p.parts.shape
     why = unsupported(method, num_experts, top_k)
     if why is not None:
@@ -297,7 +308,8 @@ def topk_route_partials(p: RouterPartials, num_experts: int, method: str, top_k:
                                           BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(width),
                                           BLOCK_S=triton.next_power_of_2(splits),
                                           SOFTMAX=method == "softmax", RENORM=renormalize, SHARED=shared,
-                                          GATED=gated, num_warps=4, **launch_kwargs(t))
+                                          GATED=gated, num_warps=4, **launch_kwargs(t),
+                                          **({"LET_EARLY": True} if let_early else {}))
     return weights, ids, logits
 
 
@@ -340,7 +352,7 @@ class TritonTopkRouter:
         return add_norm_router_partials(x, residual, norm_weight, eps, weight)
 
     @eager
-    def route_partials(self, p: RouterPartials, num_experts: int, shared: int = 0, gated: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def route_partials(self, p: RouterPartials, num_experts: int, shared: int = 0, gated: bool = False,
+                       let_early: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.cfg
-        return topk_route_partials(p, num_experts, c.method, c.top_k, c.renormalize, shared, gated)
+        return topk_route_partials(p, num_experts, c.method, c.top_k, c.renormalize, shared, gated, let_early)

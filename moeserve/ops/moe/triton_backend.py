@@ -60,12 +60,15 @@ class TritonMoE(MoEBackend):
             out = self._fp8.fused_moe_fp8(x, layer.w13, layer.w13_scale_inv, layer.w2, layer.w2_scale_inv,
                                           topk_weights, topk_ids, shared=shared, masked_ids=masked)
             return out if add_norm is None else add_norm.apply(out)  # (SparseMoE does not ask for FP8 experts)
-        config = None
+        config, early = None, 0
         if layer.fused_shared:  # the tile table of the routed experts (E, top-k) serves the extended ones
             e, two_i, h = layer.w13.shape
             config = self._configs.get_config(x.shape[0], e - layer.fused_shared, two_i // 2, h, layer.top_k,
                                               x.dtype)[0] if x.shape[0] else None
+            if layer.ops.moe_fused_shared_early and layer.fuses_shared(x.shape[0]):  # its pieces: the ids' tail
+                early = layer.fused_shared
         return self._kernels.fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, config=config, shared=shared,
                                        masked_ids=masked, pairwise_max_tokens=self.pairwise_max_tokens,
-                                       interleaved=layer.w13_order == "interleaved", add_norm=add_norm)
+                                       interleaved=layer.w13_order == "interleaved", add_norm=add_norm,
+                                       fixed_tail=early)
 

@@ -291,7 +291,8 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
                      BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
                      GROUP_SIZE_M: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
                      IEEE_FP32: tl.constexpr, PAIRWISE: tl.constexpr = False, SILU_MUL: tl.constexpr = False,
-                     PDL: tl.constexpr = False, ROUTE_K: tl.constexpr = 0, ROUTE_K_PAD: tl.constexpr = 1):
+                     PDL: tl.constexpr = False, ROUTE_K: tl.constexpr = 0, ROUTE_K_PAD: tl.constexpr = 1,
+                     EARLY: tl.constexpr = 0, EARLY_EXPERT: tl.constexpr = 0):
     """Grouped GEMM ``C[s, :] = A[s // top_k, :] @ B[expert(s)]^T`` over expert-sorted rows ``s``.
 
     ``A`` is ``[*, K]``, ``B`` is ``[E, N, K]``, ``C`` is ``[num_valid_tokens, N]``. Rows come from
@@ -304,10 +305,25 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
     ``SILU_MUL``: ``B``'s ``N`` rows are interleaved gate/up pairs and ``C`` has ``N // 2`` columns: the tile's
     columns ``2j`` and ``2j + 1`` (each rounded to ``C``'s dtype first, as a separate activation kernel would
     read them) become ``silu(gate) * up`` in column ``j`` of a half-width tile.
+    ``EARLY`` (one token, ``PAIRWISE`` without ``ROUTE_K``): the last ``EARLY`` pairs are the fixed experts
+    ``EARLY_EXPERT ..`` (a fused shared expert's pieces, which every token picks); their tiles are the grid's first
+    and, under PDL, run their main loop before waiting for the kernel before (the routing): they read only ``A``
+    and their weights until then, and ``A`` was written two kernels before this one (see :func:`fused_moe`). Their
+    stores still wait.
     """
-    wait_prior(PDL, LET_NEXT=False)
     pid_m, pid_n = program_tile(EM, N, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
-    if PAIRWISE and ROUTE_K > 0:
+    if EARLY == 0:
+        wait_prior(PDL, LET_NEXT=False)
+    if EARLY > 0:  # tiles 0 .. EARLY - 1: the fixed pairs (the last EARLY); then the routed pairs in order
+        if pid_m >= EARLY:
+            wait_prior(PDL, LET_NEXT=False)
+        early = pid_m < EARLY
+        pair = tl.where(early, num_valid_tokens - EARLY + pid_m, pid_m - EARLY)
+        offs_token = tl.where(tl.arange(0, BLOCK_SIZE_M) == 0, pair, num_valid_tokens).to(tl.int64)
+        token_mask = offs_token < num_valid_tokens
+        routed = tl.load(expert_ids_ptr + pair, mask=pid_m >= EARLY, other=0)
+        off_expert = tl.where(early, EARLY_EXPERT + pid_m, routed).to(tl.int64)
+    elif PAIRWISE and ROUTE_K > 0:
         offs_token, off_expert, owner = expert_tile_rows(expert_ids_ptr, pid_m, num_valid_tokens, BLOCK_SIZE_M,
                                                          ROUTE_K, ROUTE_K_PAD)
         if owner != pid_m:
@@ -328,18 +344,26 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
         if EVEN_K:
-            a = tl.load(a_ptrs, mask=token_mask[:, None], other=0.0)
+            a_mask = token_mask[:, None]
+        else:
+            a_mask = token_mask[:, None] & (offs_k[None, :] < K - k * BLOCK_SIZE_K)
+        if EARLY > 0:  # read before any wait: from L2, where the kernel that wrote it left it
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0, cache_modifier=".cg")
+        else:
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        if EVEN_K:
             b = tl.load(b_ptrs)
         else:
-            k_left = K - k * BLOCK_SIZE_K
-            a = tl.load(a_ptrs, mask=token_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k * BLOCK_SIZE_K, other=0.0)
         if IEEE_FP32:
             acc = tl.dot(a, b, acc=acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc=acc)
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
+    if EARLY > 0:
+        if pid_m < EARLY:
+            wait_prior(PDL, LET_NEXT=False)
     let_next_start(PDL)
 
     if SILU_MUL:
@@ -380,7 +404,7 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t
                             sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
                             num_tokens_post_padded: torch.Tensor, top_k: int, config: dict,
                             max_padded_rows: int | None = None, warmup: bool = False, pairwise: bool = False,
-                            silu_mul: bool = False, tokens: int | None = None, route_k: int = 0):
+                            silu_mul: bool = False, tokens: int | None = None, route_k: int = 0, early: int = 0):
     """Launch (or, with ``warmup``, only compile) :func:`fused_moe_kernel` for ``c = a[rows // top_k] @ b[e]^T``.
 
     ``c`` is ``[rows, N]`` with ``rows = len(topk_ids.flatten())``; ``topk_weights`` (flat fp32, ``[rows]``)
@@ -391,7 +415,9 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t
     first pair takes every token routed to that expert, the others none. ``silu_mul``: ``b`` holds interleaved
     gate/up rows (``interleave_gate_up``) and ``c`` ``[rows, N / 2]`` receives ``silu(gate) * up``. ``tokens``:
     the step's token count (default ``rows / top_k``), which decides whether it launches with PDL
-    (``moeserve.ops.pdl``).
+    (``moeserve.ops.pdl``). ``early`` (``pairwise``, one token, no ``route_k``): the last ``early`` pairs are the
+    last ``early`` experts of ``b``, whose tiles run first and start before the kernel before this one ends
+    (``fused_moe_kernel``'s ``EARLY``).
     """
     num_valid, n = c.shape
     k = b.shape[2]
@@ -408,6 +434,11 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t
             route = {"ROUTE_K": route_k, "ROUTE_K_PAD": triton.next_power_of_2(route_k)}
         em = num_valid * meta["BLOCK_SIZE_M"]
         grid = (num_valid * triton.cdiv(n, meta["BLOCK_SIZE_N"]),)
+    if early:
+        if not pairwise or route_k or num_valid != top_k or not 0 < early <= top_k:
+            raise ValueError(f"early={early}: one token's pairs only ({num_valid} rows, top-{top_k}, "
+                             f"pairwise={pairwise}, route_k={route_k})")
+        route.update(EARLY=early, EARLY_EXPERT=b.shape[0] - early)
     mul_w = topk_weights is not None
     args = (a, b, c, topk_weights if mul_w else c, sorted_token_ids, expert_ids, num_tokens_post_padded, n, k,
             em, num_valid, top_k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
@@ -463,7 +494,8 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids):
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: dict | None = None, out: torch.Tensor | None = None,
               shared: SharedExpertOutput | None = None, masked_ids: bool = False,
-              pairwise_max_tokens: int = 0, interleaved: bool = False, add_norm=None) -> torch.Tensor:
+              pairwise_max_tokens: int = 0, interleaved: bool = False, add_norm=None,
+              fixed_tail: int = 0) -> torch.Tensor:
     """Mixture-of-experts SwiGLU MLP: ``sum_j w[t,j] * w2[e] @ (silu(gate_e x_t) * up_e x_t)``, ``e = ids[t,j]``.
 
     ``x`` ``[T, H]``; ``w13`` ``[E, 2I, H]`` (gate rows ``[0, I)``, up rows ``[I, 2I)``); ``w2`` ``[E, H, I]``;
@@ -478,7 +510,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     is still read once per step. ``interleaved``: ``w13``'s rows are
     interleaved gate/up pairs (:func:`interleave_gate_up`) and the first GEMM writes the activation itself.
     ``add_norm`` (``moeserve.ops.moe.combine.AddNorm``): the combine also adds the result to its residual and
-    returns the RMS norm of that instead.
+    returns the RMS norm of that instead. ``fixed_tail``: the last ``fixed_tail`` columns of ``topk_ids`` are
+    always the last ``fixed_tail`` experts (a fused shared expert's pieces), in order; in a one-token step without
+    the alignment their tiles of the first GEMM run first and, launched with PDL, start before the routing is
+    done. They read ``x`` before waiting for the kernel before this one, so ``x`` must be complete whenever this
+    kernel can start: after ``SparseMoE.route``'s norm, router and routing kernels it is, as this kernel starts
+    only once the routing kernel has, which starts only once every router program has passed its own wait for
+    the norm that wrote ``x``.
     """
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
     t, h = x.shape
@@ -496,6 +534,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     rows = t * top_k
     pairwise = t <= pairwise_max_tokens and not masked_ids
     route_k = top_k if pairwise and t > 1 else 0
+    early = fixed_tail if pairwise and t == 1 else 0
     if pairwise:
         expert_ids = topk_ids.reshape(-1)
         sorted_ids = ntpp = expert_ids  # not read
@@ -509,11 +548,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if interleaved:
         act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
         invoke_fused_moe_kernel(x, w13, act, None, sorted_ids, expert_ids, ntpp, top_k, config, max_rows,
-                                pairwise=pairwise, silu_mul=True, tokens=t, route_k=route_k)
+                                pairwise=pairwise, silu_mul=True, tokens=t, route_k=route_k, early=early)
     else:
         gate_up = torch.empty((rows, two_i), dtype=x.dtype, device=x.device)
         invoke_fused_moe_kernel(x, w13, gate_up, None, sorted_ids, expert_ids, ntpp, top_k, config, max_rows,
-                                pairwise=pairwise, tokens=t, route_k=route_k)
+                                pairwise=pairwise, tokens=t, route_k=route_k, early=early)
         act = silu_and_mul(gate_up, tokens=t)
     # rows of a masked id are never written: zero them for the combine's sum
     down = (torch.zeros if masked_ids else torch.empty)((rows, h), dtype=x.dtype, device=x.device)
