@@ -246,10 +246,6 @@ class EngineConfig(_Strict):
         64, ge=0, le=64, description="fused (Triton) softmax/Llama-4 routing: steps of at most this many tokens run "
         "the router's GEMM as moeserve's split-K kernel, its partial sums added by the routing kernel (cuBLAS runs "
         "this narrow GEMM on one or two thread blocks); 0 leaves it to the linear backend")
-    router_fuse_topk_max_tokens: int = Field(
-        1, ge=0, le=16, description="fused (Triton) softmax/Llama-4 routing: steps of at most this many tokens that run "
-        "the router's GEMM as split-K partial sums (router_split_k_max_tokens) add them up and route in the same "
-        "launch (its last program to finish does), one launch per MoE layer fewer; 0 routes in a kernel of its own")
     router_fuse_norm: bool = Field(
         False, description="fused (Triton) softmax/Llama-4 routing, one GPU: steps of at most 16 tokens that run the "
         "router's GEMM as split-K partial sums (router_split_k_max_tokens) also fold the post-attention residual add "

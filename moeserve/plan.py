@@ -171,8 +171,6 @@ class RuntimePlan:
                 "router_fuse_norm": (bool(routing) and self.config.router_split_k_max_tokens > 0
                                      and self.router_fuse_norm),
                 "router_split_k_max_tokens": self.config.router_split_k_max_tokens if routing else 0,
-                "router_fuse_topk_max_tokens": (min(self.config.router_fuse_topk_max_tokens,
-                                                    self.config.router_split_k_max_tokens) if routing else 0),
                 "pdl_max_tokens": min(self.pdl_max_tokens, self.max_step_tokens),
                 "renormalize": m.routing.renormalize, "hidden_size": m.hidden_size, "num_experts": m.num_experts,
                 "moe_intermediate_size": m.moe_intermediate_size, "top_k": m.top_k,

@@ -166,7 +166,6 @@ class ModelRunner:
         routing = cls("routing")(dev, explicit=plan.explicit("routing"))
         if routing.name == "fused":
             routing.split_max_tokens = self.cfg.router_split_k_max_tokens
-            routing.fuse_max_tokens = self.cfg.router_fuse_topk_max_tokens
         return Ops(linear=linear, norm=cls("norm")(), activation=cls("activation")(),
                    moe=moe, routing=routing,
                    rope_cls=cls("rope"), names=self.backend_names, quantization=self.quantization,

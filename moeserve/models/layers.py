@@ -193,12 +193,6 @@ class SparseMoE(nn.Module):
         return (takes is not None and not self.router_fp32 and self.gate.weight_scale_inv is None
                 and self.gate.bias is None and takes(tokens, self.gate.weight))
 
-    def router_topk_fused(self, tokens: int) -> bool:
-        """Whether a step of ``tokens`` tokens runs the router's GEMM and the routing in one launch
-        (``router_fuse_topk_max_tokens``, :meth:`route`)."""
-        takes = getattr(self.router, "takes_topk", None)
-        return takes is not None and self.router_gemm_split(tokens) and takes(tokens, self.gate.weight)
-
     def takes_router_norm(self, tokens: int) -> bool:
         """Whether a step of ``tokens`` tokens folds the post-attention residual add and norm into the router's
         partial sums (``router_fuse_norm``, :meth:`add_norm_route_partials`)."""
@@ -230,17 +224,17 @@ class SparseMoE(nn.Module):
         computed (:meth:`add_norm_route_partials`)."""
         fused = self.fused_shared if self.fuses_shared(x.shape[0]) else 0
         apart = (self.fused_rest if fused else self.shared_expert) is not None
-        if partials is None and self.router_topk_fused(x.shape[0]):  # the router's GEMM and routing in one launch
-            return self._routed(*self.router.route_gemm(x, self.gate.weight, self.num_experts, shared=fused,
-                                                        gated=self.shared_gate_in_router), fused, apart)
         logits = partials if partials is not None else self.router_logits(x)
         if isinstance(logits, RouterPartials):  # the routing kernel adds them up and writes the logits
             # the fused MoE's shared-expert tiles may start with the routing kernel: they read x, which the router
             # did not write (with partials given, the router wrote it: no)
             early = bool(fused) and self.ops.moe_fused_shared_early and x.shape[0] == 1 and partials is None
-            return self._routed(*self.router.route_partials(logits, self.num_experts, shared=fused,
-                                                            gated=self.shared_gate_in_router, let_early=early),
-                                fused, apart)
+            weights, ids, logits = self.router.route_partials(logits, self.num_experts, shared=fused,
+                                                              gated=self.shared_gate_in_router, let_early=early)
+            if fused and not apart:
+                return weights, ids, None
+            e = self.num_experts
+            return weights, ids, logits[:, e:e + 1] if self.shared_gate_in_router else None
         gate_logit = None
         if self.shared_gate_in_router:
             logits, gate_logit = logits[:, :self.num_experts], logits[:, self.num_experts:self.num_experts + 1]
@@ -255,15 +249,6 @@ class SparseMoE(nn.Module):
         if fused:
             return (*append_shared(weights, ids, gate_logit, self.num_experts, fused), rest_gate)
         return weights, ids, gate_logit
-
-    def _routed(self, weights: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor, fused: int, apart: bool
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """:meth:`route`'s result from the routing kernel's ``(weights, ids, logits)``: the shared expert's gate
-        logit is the logits' column ``E`` where the router computed it and a shared expert runs apart."""
-        if fused and not apart:
-            return weights, ids, None
-        e = self.num_experts
-        return weights, ids, logits[:, e:e + 1] if self.shared_gate_in_router else None
 
     @torch.no_grad()
     def fuse_shared_expert(self, pieces: int = 0, max_tokens: int = 0) -> int:

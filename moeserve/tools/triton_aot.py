@@ -220,8 +220,7 @@ def meta_moe_layer(plan, device: torch.device | None = None):
     if fp["fuse_shared_expert"]:
         layer.fuse_shared_expert(fp.get("fuse_shared_expert_pieces", 0), fp.get("fuse_shared_expert_max_tokens", 0))
     if fp["routing"]:
-        layer.router = TritonTopkRouter(plan.arch.routing, fp["router_split_k_max_tokens"],
-                                        fp.get("router_fuse_topk_max_tokens", 0))
+        layer.router = TritonTopkRouter(plan.arch.routing, fp["router_split_k_max_tokens"])
         layer.routing_impl = TritonTopkRouter.name
     moe.prepare(layer)
     return layer

@@ -136,22 +136,18 @@ def _fused_shared_layer(gen, lw):
     w13 = torch.cat([gate_up[:s].view(PIECES, I, H), gate_up[s:].view(PIECES, I, H)], dim=1)
     w2 = down.view(H, PIECES, I).transpose(0, 1)
     return {"w13f": interleave_gate_up(torch.cat([lw["w13_ref"], w13])), "w2f": torch.cat([lw["w2"], w2]).contiguous(),
-            "gate_up": gate_up, "down": down, "counter": torch.zeros(1, dtype=torch.int32, device="cuda")}
+            "gate_up": gate_up, "down": down}
 
 
-def _fused_step(x, lw, fl, early, one_launch=False):
+def _fused_step(x, lw, fl, early):
     """A one-token step's MoE block with the shared expert fused (the norm stands in as a GEMV and an add, the
-    router's partial sums, routing, the fused MoE) with its shared-expert tiles started early or not;
-    ``one_launch``: the router's GEMM and the routing in one kernel (``router_topk``)."""
+    router's partial sums, routing, the fused MoE) with its shared-expert tiles started early or not."""
     from moeserve.ops.linear_triton import gemv
-    from moeserve.ops.moe.routing_triton import router_partials, router_topk, topk_route_partials
+    from moeserve.ops.moe.routing_triton import router_partials, topk_route_partials
     from moeserve.ops.moe.triton_kernels import fused_moe
     h = gemv(x, lw["wo"]) + x
-    if one_launch:
-        weights, ids, logits = router_topk(h, lw["router"], E, "softmax", K, fl["counter"], shared=PIECES, gated=True)
-    else:
-        weights, ids, logits = topk_route_partials(router_partials(h, lw["router"]), E, "softmax", K, shared=PIECES,
-                                                   gated=True, let_early=early)
+    weights, ids, logits = topk_route_partials(router_partials(h, lw["router"]), E, "softmax", K, shared=PIECES,
+                                               gated=True, let_early=early)
     out = fused_moe(h, fl["w13f"], fl["w2f"], weights, ids, pairwise_max_tokens=1, interleaved=True,
                     fixed_tail=PIECES if early else 0)
     return {"h": h, "weights": weights, "ids": ids, "logits": logits, "out": out}
@@ -159,8 +155,7 @@ def _fused_step(x, lw, fl, early, one_launch=False):
 
 def test_a_fused_shared_expert_started_before_the_routing_matches_it_started_after_in_a_cuda_graph():
     """One-token steps with the shared expert fused into the MoE (``moe_fused_shared_early``): the routing kernel
-    (or the router's kernel that also routes, ``router_fuse_topk_max_tokens``) lets the MoE start at once and the
-    shared expert's tiles stream their weights before waiting for it. Captured
+    lets the MoE start at once and the shared expert's tiles stream their weights before waiting for it. Captured
     with PDL, replayed with fresh inputs, the step's outputs are bit-identical to the same chain without PDL and
     without early tiles (a tile that read the layer's input before its writer had finished would see the previous
     replay's), and the MoE output matches the float32 formula of routed plus gated shared expert."""
@@ -170,17 +165,16 @@ def test_a_fused_shared_expert_started_before_the_routing_matches_it_started_aft
     fl = _fused_shared_layer(gen, lw)
     x = torch.randn(1, H, generator=gen, device="cuda").bfloat16()
     capture = torch.cuda.Stream()
-    arms = {"pdl-early": (8192, True, False), "pdl-early-one-launch": (8192, True, True), "pdl": (8192, False, False),
-            "plain": (0, False, False)}
+    arms = {"pdl-early": (8192, True), "pdl": (8192, False), "plain": (0, False)}
     graphs, outs = {}, {}
     capture.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(capture):
-        for arm, (bound, early, one) in arms.items():
+        for arm, (bound, early) in arms.items():
             with pdl.enabled_as(bound):
-                _fused_step(x, lw, fl, early, one)  # compiles and loads outside the capture
+                _fused_step(x, lw, fl, early)  # compiles and loads outside the capture
                 graphs[arm] = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graphs[arm], stream=capture):
-                    outs[arm] = _fused_step(x, lw, fl, early, one)
+                    outs[arm] = _fused_step(x, lw, fl, early)
     torch.cuda.current_stream().wait_stream(capture)
     torch.cuda.synchronize()
     before = None
@@ -189,8 +183,8 @@ def test_a_fused_shared_expert_started_before_the_routing_matches_it_started_aft
         for arm in arms:
             graphs[arm].replay()
         torch.cuda.synchronize()
-        for arm in ("pdl-early", "pdl-early-one-launch", "pdl"):
-            for name in ("h", "ids", "weights", "logits", "out"):
+        for arm in ("pdl-early", "pdl"):
+            for name in ("h", "ids", "weights", "out"):
                 assert torch.equal(outs[arm][name], outs["plain"][name]), f"seed {SEED}: replay {replay}: {arm} {name}"
         o = outs["pdl-early"]
         assert o["ids"][0, K:].tolist() == list(range(E, E + PIECES))

@@ -160,13 +160,8 @@ def _interpreter_worker(in_path: str, out_path: str) -> None:
     from moeserve.ops.moe.routing_triton import topk_route
     inputs = torch.load(in_path)
     out = {}
-    from moeserve.ops.moe.routing_triton import ROUTER_TOPK_MAX_TOKENS, router_topk
     for name, (x, w, E, k, method, renorm, shared, gated) in inputs.pop("_split").items():
         out["split-" + name] = run_split(x, w, E, k, method, renorm, shared, gated)
-        if x.shape[0] <= ROUTER_TOPK_MAX_TOKENS:  # twice on one counter: it must be back at zero after each
-            counter = torch.zeros(1, dtype=torch.int32)
-            runs = [router_topk(x, w, E, method, k, counter, renorm, shared, gated) for _ in range(2)]
-            out["fused-" + name] = (runs, counter.clone())
     from moeserve.ops.moe.routing_triton import add_norm_router_partials, topk_route_partials
     for name, (x, res, nw, w, E, k, method, renorm, gated) in inputs.pop("_norm_split").items():
         h, new_res, p = add_norm_router_partials(x, res, nw, NORM_EPS, w)
@@ -224,25 +219,6 @@ def test_post_attention_norm_in_the_router_partial_sums_interpreter(interpreted,
     check_norm_split(x, res, nw, w, (h, new_res, routed), E, k, method, renorm, gated)
 
 
-FUSED_CASES = [n for n, c in SPLIT_CASES.items() if c[0] <= 16]
-
-
-@pytest.mark.parametrize("name", FUSED_CASES)
-def test_router_gemm_and_routing_in_one_launch_interpreter(interpreted, name):
-    """``router_topk`` (``router_fuse_topk_max_tokens``): the last router program to finish adds the partial sums
-    and routes; the same logits, weights and ids, bit for bit, as the two kernels, twice on one counter, which
-    is back at zero."""
-    inputs, outputs = interpreted
-    x, w, E, k, method, renorm, shared, gated = inputs["_split"][name]
-    runs, counter = outputs["fused-" + name]
-    split = outputs["split-" + name]
-    for run in runs:
-        for got, want in zip(run, split):
-            assert torch.equal(got, want), f"seed {SEED}: fused routing differs from the partial sums' routing"
-    assert int(counter[0]) == 0
-    check_split(x, w, runs[1], E, k, method, renorm, shared, gated)
-
-
 def test_router_partials_refuse_what_they_do_not_hold():
     from moeserve.ops.moe.routing_config import RouterPartials
     from moeserve.ops.moe.routing_triton import TritonTopkRouter, router_partials, topk_route_partials
@@ -255,13 +231,6 @@ def test_router_partials_refuse_what_they_do_not_hold():
     assert r.takes_gemm(1, w) and r.takes_gemm(8, w) and not r.takes_gemm(9, w) and not r.takes_gemm(0, w)
     assert not r.takes_gemm(1, w.float()) and not r.takes_gemm(1, torch.zeros(300, 32, dtype=torch.bfloat16))
     assert not TritonTopkRouter(RoutingConfig("softmax", 4)).takes_gemm(1, w)
-    fused = TritonTopkRouter(RoutingConfig("softmax", 4), split_max_tokens=8, fuse_max_tokens=2)
-    assert fused.takes_topk(1, w) and fused.takes_topk(2, w) and not fused.takes_topk(3, w)
-    assert not fused.takes_topk(1, w.float()) and not r.takes_topk(1, w)
-    assert TritonTopkRouter(RoutingConfig("softmax", 4), split_max_tokens=1, fuse_max_tokens=4).fuse_max_tokens == 1
-    from moeserve.ops.moe.routing_triton import router_topk
-    with pytest.raises(ValueError, match="at most 16 tokens"):
-        router_topk(torch.zeros(17, 32), torch.zeros(8, 32), 8, "softmax", 2, torch.zeros(1, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("name", list(SHARED_CASES))
@@ -420,37 +389,6 @@ def test_router_gemm_as_partial_sums_in_a_cuda_graph():
     g.replay()
     torch.cuda.synchronize()
     check_split(x, w, out, 60, 4, "softmax", False, 0, True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 5, 16])
-def test_router_gemm_and_routing_in_one_launch_in_a_cuda_graph(T):
-    """``router_topk`` at Qwen1.5's shape with the fused shared expert's columns, launched with PDL, eagerly and
-    in a CUDA graph replayed 50 times with fresh tokens: bit for bit the two kernels' results each time (the last
-    program saw every slice's partial sums), and the counter back at zero."""
-    from moeserve.ops import pdl
-    from moeserve.ops.moe.routing_triton import router_topk
-    gen = torch.Generator(device="cuda").manual_seed(SEED + T)
-    x, w = make_router(T, 2048, 60, 64, True, gen, "cuda")
-    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
-    with pdl.enabled_as(64):
-        fused = router_topk(x, w, 60, "softmax", 4, counter, False, 4, True)
-        split = run_split(x, w, 60, 4, "softmax", False, 4, True)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            g_fused = router_topk(x, w, 60, "softmax", 4, counter, False, 4, True)
-            g_split = run_split(x, w, 60, 4, "softmax", False, 4, True)
-    torch.cuda.synchronize()
-    for got, want in zip(fused, split):
-        assert torch.equal(got, want)
-    for replay in range(50):
-        x.copy_(make_router(T, 2048, 60, 64, True, gen, "cuda")[0])
-        g.replay()
-        torch.cuda.synchronize()
-        for got, want in zip(g_fused, g_split):
-            assert torch.equal(got, want), f"seed {SEED}: replay {replay}"
-        assert int(counter[0]) == 0
-    check_split(x, w, g_fused, 60, 4, "softmax", False, 4, True)
 
 
 @pytest.mark.gpu

@@ -172,11 +172,9 @@ def triton_topk_unsupported(cfg: RoutingConfig, num_experts: int, device: torch.
     return unsupported(cfg.method, num_experts, cfg.top_k)
 
 
-def gpu_router(cfg: RoutingConfig, num_experts: int, device: torch.device, split_max_tokens: int = 0,
-               fuse_max_tokens: int = 0):
+def gpu_router(cfg: RoutingConfig, num_experts: int, device: torch.device, split_max_tokens: int = 0):
     """``(router or None, name, reason)``: the fused router when one applies, else None (torch routing).
-    ``split_max_tokens``: steps up to this many tokens may run the router's GEMM in the Triton router too;
-    ``fuse_max_tokens``: steps up to this many tokens, the GEMM and the routing in one launch."""
+    ``split_max_tokens``: steps up to this many tokens may run the router's GEMM in the Triton router too."""
     device = torch.device(device)
     if cfg.method == "deepseek_v3":
         cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -188,7 +186,7 @@ def gpu_router(cfg: RoutingConfig, num_experts: int, device: torch.device, split
     if why is not None:
         return None, "torch", why
     from moeserve.ops.moe.routing_triton import TritonTopkRouter
-    return TritonTopkRouter(cfg, split_max_tokens, fuse_max_tokens), TritonTopkRouter.name, None
+    return TritonTopkRouter(cfg, split_max_tokens), TritonTopkRouter.name, None
 
 
 class TorchRouting(RoutingBackend):
@@ -211,14 +209,12 @@ class FusedRouting(RoutingBackend):
     def __init__(self, device: torch.device, explicit: bool = False):
         super().__init__(device, explicit)
         self.split_max_tokens = 0  # router_split_k_max_tokens (the engine sets it)
-        self.fuse_max_tokens = 0  # router_fuse_topk_max_tokens (likewise)
         self._logged: set[tuple] = set()
 
     def prepare(self, layer) -> None:
         from moeserve.backends import BackendUnavailable
         cfg = layer.routing
-        router, name, why = gpu_router(cfg, layer.num_experts, self.device, self.split_max_tokens,
-                                       self.fuse_max_tokens)
+        router, name, why = gpu_router(cfg, layer.num_experts, self.device, self.split_max_tokens)
         if router is None and self.explicit:
             raise BackendUnavailable(f"backends.routing: 'fused' cannot run this model's {cfg.method} routing "
                                      f"({layer.num_experts} experts, top-{cfg.top_k}): {why}")

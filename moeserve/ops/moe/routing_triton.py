@@ -18,9 +18,6 @@ the routing kernel adds in a fixed order (the result does not depend on scheduli
 dtype as the GEMM's output would be, stores as the logits (the shared expert's gate is one of their columns)
 and routes on. For a few tokens cuBLAS runs this GEMM (60-odd rows) with a 64x8 tile and no split-K, one thread
 block by its tile shape, reading whole rows: 14 us per layer in a Qwen1.5-MoE decode step on an H200.
-Steps of at most ``router_fuse_topk_max_tokens`` tokens do both in one launch (``_router_topk_kernel``): the
-router's programs store their partial sums and count themselves done on an atomic counter, and the last one adds
-the sums in the same order and routes.
 
 ``router_fuse_norm`` (steps of at most ``ROUTER_NORM_MAX_TOKENS`` tokens) folds the layer's post-attention
 residual add and RMS norm into those partial sums: ``_add_norm_router_partial_kernel``'s program ``(s, t)``
@@ -167,16 +164,7 @@ def _topk_route_partials_kernel(part_ptr, T, logits_ptr, weights_ptr, ids_ptr, E
         wait_prior(PDL, LET_NEXT=False)
     else:
         wait_prior(PDL)
-    _route_partial_sums(part_ptr, tl.program_id(0).to(tl.int64), T, logits_ptr, weights_ptr, ids_ptr, E, ROWS,
-                        SPLITS, K, BLOCK_E, BLOCK_K, BLOCK_S, SOFTMAX, RENORM, SHARED, GATED)
-
-
-@triton.jit
-def _route_partial_sums(part_ptr, t, T, logits_ptr, weights_ptr, ids_ptr, E, ROWS, SPLITS, K: tl.constexpr,
-                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, SOFTMAX: tl.constexpr,
-                        RENORM: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr):
-    """Token ``t`` of :func:`_topk_route_partials_kernel`: its partial sums added in order, the logits stored
-    (rounded to their dtype) and routed."""
+    t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     offs_s = tl.arange(0, BLOCK_S)
     parts = tl.load(part_ptr + (offs_s[:, None] * T + t) * BLOCK_E + offs[None, :], mask=(offs_s < SPLITS)[:, None],
@@ -188,41 +176,6 @@ def _route_partial_sums(part_ptr, t, T, logits_ptr, weights_ptr, ids_ptr, E, ROW
     x = tl.where(valid, x_all, float("-inf"))
     gate = tl.sum(tl.where(offs == E, x_all, 0.0), axis=0)
     _select(x, valid, offs, t, gate, weights_ptr, ids_ptr, E, K, BLOCK_E, BLOCK_K, SOFTMAX, RENORM, SHARED, GATED)
-
-
-@triton.jit
-def _router_topk_kernel(x_ptr, w_ptr, part_ptr, counter_ptr, logits_ptr, weights_ptr, ids_ptr, T, N, K, E, ROWS,
-                        SPLITS, stride_xt, stride_wn, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, K_ITERS: tl.constexpr, TOPK: tl.constexpr, BLOCK_KK: tl.constexpr,
-                        BLOCK_S: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr = 0,
-                        GATED: tl.constexpr = False, PDL: tl.constexpr = False):
-    """:func:`_router_partial_kernel` (one program per slice of ``K``, all ``T`` tokens in it) whose last program
-    to finish routes: each program stores its partial sums and adds one to ``counter``; the one that finds every
-    other slice done adds them up in slice order and routes every token as :func:`_topk_route_partials_kernel`
-    does (the same sums in the same order: the same results), then resets the counter for the next launch."""
-    wait_prior(PDL)
-    s = tl.program_id(0)
-    offs_t = tl.arange(0, BLOCK_T)
-    offs_n = tl.arange(0, BLOCK_N)
-    t_mask = offs_t < T
-    n_mask = offs_n < N
-    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    for i in tl.static_range(K_ITERS):
-        offs_k = (s * K_ITERS + i) * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        x = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :],
-                    mask=t_mask[:, None] & k_mask[None, :], other=0.0)
-        wt = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None],
-                     other=0.0)  # [BLOCK_K, BLOCK_N]
-        acc = tl.dot(x, wt, acc=acc)
-    tl.store(part_ptr + (s * T + offs_t[:, None].to(tl.int64)) * BLOCK_N + offs_n[None, :], acc, mask=t_mask[:, None])
-    tl.debug_barrier()  # every thread's partial sums are written before the counter moves
-    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
-    if done == SPLITS - 1:  # the last slice: route every token
-        for t in range(T):
-            _route_partial_sums(part_ptr, t, T, logits_ptr, weights_ptr, ids_ptr, E, ROWS, SPLITS, TOPK, BLOCK_N,
-                                BLOCK_KK, BLOCK_S, SOFTMAX, RENORM, SHARED, GATED)
-        tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch
 
 
 def unsupported(method: str, num_experts: int, top_k: int) -> str | None:
@@ -360,47 +313,6 @@ def topk_route_partials(p: RouterPartials, num_experts: int, method: str, top_k:
     return weights, ids, logits
 
 
-ROUTER_TOPK_MAX_TOKENS = 16  # the last program routes the step's tokens one after another
-
-
-def router_topk(x: torch.Tensor, weight: torch.Tensor, num_experts: int, method: str, top_k: int, counter: torch.Tensor,
-                renormalize: bool = False, shared: int = 0, gated: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`topk_route_partials` of :func:`router_partials` ``(x, weight)`` in one launch (the same results):
-    the last of the router's programs to finish adds the partial sums and routes. ``counter``: a ``[1]`` int32
-    device tensor at zero, left at zero (kept across launches: CUDA graphs replay against it); launches that share
-    it must not overlap. ``T`` at most ``ROUTER_TOPK_MAX_TOKENS``."""
-    t, k = x.shape
-    n = weight.shape[0]
-    why = unsupported(method, num_experts, top_k)
-    if why is not None:
-        raise ValueError(f"Triton routing: {why}")
-    if (t > ROUTER_TOPK_MAX_TOKENS or n > ROUTER_MAX_ROWS or weight.shape[1] != k
-            or n < num_experts + (1 if gated else 0)):
-        raise ValueError(f"router_topk: x {tuple(x.shape)}, weight {tuple(weight.shape)} for {num_experts} experts"
-                         f"{' and a gate' if gated else ''} (at most {ROUTER_TOPK_MAX_TOKENS} tokens and "
-                         f"{ROUTER_MAX_ROWS} rows)")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    block_n = max(16, triton.next_power_of_2(n))
-    k_iters = max(1, triton.cdiv(k, ROUTER_BLOCK_K * ROUTER_SPLITS))
-    splits = triton.cdiv(k, ROUTER_BLOCK_K * k_iters)
-    dev = x.device
-    parts = torch.empty((splits, t, block_n), dtype=torch.float32, device=dev)
-    width = top_k + shared
-    weights = torch.empty((t, width), dtype=torch.float32, device=dev)
-    ids = torch.empty((t, width), dtype=torch.int32, device=dev)
-    logits = torch.empty((t, n), dtype=weight.dtype, device=dev)
-    if t:
-        _router_topk_kernel[(splits,)](
-            x, weight, parts, counter, logits, weights, ids, t, n, k, num_experts, n, splits, x.stride(0),
-            weight.stride(0), BLOCK_T=max(16, triton.next_power_of_2(t)), BLOCK_N=block_n, BLOCK_K=ROUTER_BLOCK_K,
-            K_ITERS=k_iters, TOPK=top_k, BLOCK_KK=triton.next_power_of_2(width),
-            BLOCK_S=triton.next_power_of_2(splits), SOFTMAX=method == "softmax", RENORM=renormalize, SHARED=shared,
-            GATED=gated, num_warps=4, **launch_kwargs(t))
-    return weights, ids, logits
-
-
 class TritonTopkRouter:
     """A layer's router (installed by ``routing.FusedRouting``): softmax or Llama-4 routing through
     :func:`topk_route`. Steps of at most ``split_max_tokens`` tokens may also run the router's GEMM here
@@ -409,11 +321,9 @@ class TritonTopkRouter:
     name = "triton_topk"
     appends_shared = True  # writes a fused shared expert's columns itself (``shared``, ``gated``)
 
-    def __init__(self, cfg, split_max_tokens: int = 0, fuse_max_tokens: int = 0):
+    def __init__(self, cfg, split_max_tokens: int = 0):
         self.cfg = cfg
         self.split_max_tokens = min(split_max_tokens, ROUTER_MAX_TOKENS)
-        self.fuse_max_tokens = min(fuse_max_tokens, ROUTER_TOPK_MAX_TOKENS, self.split_max_tokens)
-        self._counters: dict[torch.device, torch.Tensor] = {}  # router_topk's, one per device
 
     @eager  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
     def __call__(self, logits: torch.Tensor, correction_bias: torch.Tensor | None = None, shared: int = 0,
@@ -440,22 +350,6 @@ class TritonTopkRouter:
     def add_norm_partial_logits(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                                 eps: float, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, RouterPartials]:
         return add_norm_router_partials(x, residual, norm_weight, eps, weight)
-
-    def takes_topk(self, tokens: int, weight: torch.Tensor) -> bool:
-        """Whether a step of ``tokens`` tokens runs the router's GEMM and the routing in one launch
-        (:meth:`route_gemm`, ``router_fuse_topk_max_tokens``)."""
-        return tokens <= self.fuse_max_tokens and self.takes_gemm(tokens, weight)
-
-    @eager
-    def route_gemm(self, x: torch.Tensor, weight: torch.Tensor, num_experts: int, shared: int = 0,
-                   gated: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(weights, ids, logits)`` of ``x`` through the router ``weight`` in one launch (:func:`router_topk`;
-        the layers' launches follow each other, so they share a counter)."""
-        c = self.cfg
-        counter = self._counters.get(x.device)
-        if counter is None:
-            counter = self._counters[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
-        return router_topk(x, weight, num_experts, c.method, c.top_k, counter, c.renormalize, shared, gated)
 
     @eager
     def route_partials(self, p: RouterPartials, num_experts: int, shared: int = 0, gated: bool = False,
