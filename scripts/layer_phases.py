@@ -33,7 +33,7 @@ def layer_phases(ks: list) -> tuple[dict, dict]:
         attn = next(k for k in seg if k[0].startswith("qkv_decode"))
         o = next(k for k in seg if k[0] == "_gemv_kernel" and k[4] == "[64, 1, 1]")
         n2 = next(k for k in seg if "FusedAddRMSNorm" in k[0] and k[2] > o[2])
-        topk = next(k for k in seg if k[0].startswith("_topk_route"))
+        topk = next(k for k in seg if k[0].startswith(("_topk_route", "_router_topk")))  # (the latter: a branch's)
         comb = next(k for k in seg if k[0] == "moe_combine_kernel")
         t = [seg[0][2], end(seg[0]), end(seg[1]), end(attn), end(o), end(n2), end(topk), end(comb)]
         for name, a, b in zip(PHASES, t, t[1:]):
