@@ -308,8 +308,8 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
     ``EARLY`` (one token, ``PAIRWISE`` without ``ROUTE_K``): the last ``EARLY`` pairs are the fixed experts
     ``EARLY_EXPERT ..`` (a fused shared expert's pieces, which every token picks); their tiles are the grid's first
     and, under PDL, run their main loop before waiting for the kernel before (the routing): they read only ``A``
-    and their weights until then, and ``A`` was written two kernels before this one (see :func:`fused_moe`). Their
-    stores still wait.
+    and their weights until then, and ``A`` is complete whenever this kernel can start (see :func:`fused_moe`).
+    Their stores still wait.
     """
     pid_m, pid_n = program_tile(EM, N, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
     if EARLY == 0:
