@@ -273,6 +273,10 @@ class EngineConfig(_Strict):
         True, description="one-token steps that run the shared expert inside the Triton MoE (with PDL): the first "
         "expert GEMM's tiles of the shared expert come first and stream their weights while the routing still runs, "
         "as they need only the layer's input; false: every tile waits for the routing")
+    moe_route_in_grid: bool = Field(
+        False, description="experiment: one-token steps that run the shared expert inside the Triton MoE with fused "
+        "(Triton) routing compute the router's GEMM and the routing in the first expert GEMM's grid, whose shared "
+        "tiles start with it and whose routed tiles wait for the routing on a flag")
     moe_fuse_norm: bool = Field(
         False, description="Triton MoE on unquantised experts, one GPU: the MoE combine also adds the block's output "
         "to the residual and applies the next layer's input norm (or the final norm), one launch per layer fewer")

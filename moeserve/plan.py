@@ -118,6 +118,15 @@ class RuntimePlan:
                 and self.backends["moe"].name == "triton")
 
     @property
+    def moe_route_in_grid(self) -> bool:
+        """Whether one-token steps route inside the fused MoE's first grid (``moe_route_in_grid``; with the shared
+        expert fused into the Triton MoE, the Triton router taking its GEMM, no ``router_fuse_norm``)."""
+        from moeserve.ops.moe.routing_triton import METHODS
+        return (self.config.moe_route_in_grid and self.moe_fused_shared_early
+                and self.backends["routing"].name == "fused" and self.arch.routing.method in METHODS
+                and self.config.router_split_k_max_tokens >= 1 and not self.router_fuse_norm)
+
+    @property
     def router_fuse_norm(self) -> bool:
         """Whether small steps fold the post-attention norm into the router's partial sums (``router_fuse_norm``;
         where the router takes its GEMM): one rank, not under torch.compile."""
@@ -167,6 +176,7 @@ class RuntimePlan:
                 "fuse_shared_expert_pieces": self.config.moe_fuse_shared_expert_pieces if fused is not None else 0,
                 "fuse_shared_expert_max_tokens": fused or 0,
                 "fused_shared_early": self.moe_fused_shared_early,
+                "route_in_grid": self.moe_route_in_grid,
                 "fuse_norm": moe and self.moe_fuse_norm,
                 "router_fuse_norm": (bool(routing) and self.config.router_split_k_max_tokens > 0
                                      and self.router_fuse_norm),

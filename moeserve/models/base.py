@@ -40,6 +40,8 @@ class Ops:
     # One-token steps that run a fused shared expert in the Triton MoE start its pieces' tiles while the routing
     # runs (``moe_fused_shared_early``).
     moe_fused_shared_early: bool = False
+    # One-token steps run the router and routing in the fused MoE's first grid (``moe_route_in_grid``).
+    moe_route_in_grid: bool = False
     parallel: Parallel = field(default_factory=Parallel)  # this rank's place among the GPUs (one rank: no split)
 
 

@@ -89,6 +89,11 @@ class MoEBackend(ABC):
         """``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` for ``x`` ``[T, H]``, plus the shared expert's output
         when ``shared`` (a ``moeserve.ops.moe.combine.SharedExpertOutput``) is given."""
 
+    def takes_routing(self, x: torch.Tensor, layer) -> bool:
+        """Whether ``experts_routed(x, layer, add_norm)`` computes this step's routing with its experts
+        (``moe_route_in_grid``); False: the layer routes first."""
+        return False
+
 
 class RoutingBackend(ABC):
     """Installs each MoE layer's router (``layer.router``: a fused kernel, or None for torch routing)."""

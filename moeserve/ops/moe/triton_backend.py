@@ -31,6 +31,7 @@ class TritonMoE(MoEBackend):
         self.dtype = dtype
         self.untuned: set[tuple] = set()
         self.pairwise_max_tokens = 0  # steps of at most this many tokens skip the alignment (bf16/fp16 experts)
+        self._sync: dict[torch.device, torch.Tensor] = {}  # routed_moe_triton's flags, one per device
 
     def prepare(self, layer) -> None:
         if layer.w13_scale_inv is None and layer.w13_order == "gate_up":
@@ -72,3 +73,27 @@ class TritonMoE(MoEBackend):
                                        interleaved=layer.w13_order == "interleaved", add_norm=add_norm,
                                        fixed_tail=early)
 
+    def takes_routing(self, x: torch.Tensor, layer) -> bool:
+        """Whether :meth:`experts_routed` takes this one-token step of ``layer`` (``moe_route_in_grid``)."""
+        from moeserve.ops.moe.routed_moe_triton import unsupported_reason
+        c = layer.routing
+        return (x.shape[0] == 1 and self.pairwise_max_tokens >= 1 and layer.w13_order == "interleaved"
+                and layer.fuses_shared(1) and layer.fused_rest is None and layer.w13_scale_inv is None
+                and unsupported_reason(x, layer.gate.weight, layer.w13, layer.num_experts, c.top_k, c.method,
+                                       layer.fused_shared, layer.shared_gate_in_router) is None)
+
+    @eager
+    def experts_routed(self, x: torch.Tensor, layer, add_norm=None) -> torch.Tensor:
+        """A one-token step's routing and experts (``takes_routing``), the routing inside the first expert GEMM's
+        grid (``routed_moe_triton.fused_moe_routed``)."""
+        from moeserve.ops.moe.routed_moe_triton import fused_moe_routed
+        e, two_i, h = layer.w13.shape
+        config = self._configs.get_config(1, e - layer.fused_shared, two_i // 2, h, layer.top_k, x.dtype)[0]
+        sync = self._sync.get(x.device)
+        if sync is None:
+            sync = self._sync[x.device] = torch.zeros(3, dtype=torch.int32, device=x.device)
+        c = layer.routing
+        out, _, _, _ = fused_moe_routed(x, layer.gate.weight, layer.w13, layer.w2, layer.num_experts, c.top_k, c.method,
+                                        c.renormalize, layer.fused_shared, layer.shared_gate_in_router, config, sync,
+                                        add_norm=add_norm)
+        return out

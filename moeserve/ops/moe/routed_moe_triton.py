@@ -1,0 +1,177 @@
+"""A one-token MoE step whose routing runs in the first expert GEMM's grid (``moe_route_in_grid``, an experiment).
+
+In a one-token step that runs the shared expert inside the fused MoE as ``P`` always-picked pieces, the pieces'
+GEMM tiles need only the layer's input, while the routed experts' tiles need the routing. Launched as three kernels
+(router's partial sums, routing, GEMM), the GEMM can start only once the routing kernel has (PDL), ~1.4 us before
+the routing ends on an H200. Here one grid holds all three:
+
+- programs ``0 .. R - 1`` compute the router's partial sums over slices of the hidden size; each counts itself
+  done on ``sync[0]``, and the last adds the sums in slice order (as ``routing_triton``'s routing kernel does: the
+  same logits, weights and ids), routes, resets ``sync[0]`` and sets ``sync[1]`` (ready);
+- the next ``P * NT`` programs are the shared pieces' tiles: they start with the grid, once the norm before it
+  has completed;
+- the last ``top_k * NT`` programs are the routed tiles: each waits for ``sync[1]``, reads its expert, and counts
+  itself done on ``sync[2]``; the last resets ``sync[1]`` and ``sync[2]`` for the next launch.
+
+The routed tiles wait on programs with lower ids, which the GPU schedules first, so they do not wait on programs
+that cannot start. The down GEMM and the combine are ``triton_kernels``'s.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moeserve.ops.pdl import launch_kwargs
+from moeserve.ops.pdl_triton import let_next_start, wait_prior
+
+from .combine import moe_combine
+from .routing_triton import ROUTER_BLOCK_K, ROUTER_MAX_ROWS, ROUTER_SPLITS, _select, unsupported
+from .triton_kernels import PAIRWISE_BLOCK_M, invoke_fused_moe_kernel, store_tile
+
+
+@triton.jit
+def _route_moe_kernel(x_ptr, rw_ptr, part_ptr, sync_ptr, logits_ptr, weights_ptr, ids_ptr, b_ptr, c_ptr,
+                      H, N, ROWS, E, R, NT, stride_rw, stride_be, stride_bn, stride_bk,
+                      BLOCK_RN: tl.constexpr, BLOCK_RK: tl.constexpr, RK_ITERS: tl.constexpr, BLOCK_S: tl.constexpr,
+                      TOPK: tl.constexpr, PIECES: tl.constexpr, BLOCK_KK: tl.constexpr, SOFTMAX: tl.constexpr,
+                      RENORM: tl.constexpr, GATED: tl.constexpr, BLOCK_SIZE_M: tl.constexpr,
+                      BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, EVEN_K: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    pid = tl.program_id(0)
+    wait_prior(PDL, LET_NEXT=False)
+    if pid < R:  # the router's slice pid of the hidden size
+        r_t = tl.arange(0, 16)
+        r_n = tl.arange(0, BLOCK_RN)
+        r_acc = tl.zeros((16, BLOCK_RN), dtype=tl.float32)
+        for i in tl.static_range(RK_ITERS):
+            r_k = (pid * RK_ITERS + i) * BLOCK_RK + tl.arange(0, BLOCK_RK)
+            r_kmask = r_k < H
+            r_x = tl.load(x_ptr + r_t[:, None] * 0 + r_k[None, :], mask=(r_t[:, None] == 0) & r_kmask[None, :],
+                          other=0.0)
+            r_w = tl.load(rw_ptr + r_n[None, :] * stride_rw + r_k[:, None],
+                          mask=(r_n[None, :] < ROWS) & r_kmask[:, None], other=0.0)
+            r_acc = tl.dot(r_x, r_w, acc=r_acc)
+        r_part = tl.sum(tl.where(r_t[:, None] == 0, r_acc, 0.0), axis=0)
+        tl.store(part_ptr + pid * BLOCK_RN + r_n, r_part)
+        tl.debug_barrier()  # every thread's partial sums are written before the counter moves
+        done = tl.atomic_add(sync_ptr, 1, sem="acq_rel")
+        if done == R - 1:  # the last slice: add them in order and route
+            r_s = tl.arange(0, BLOCK_S)
+            r_parts = tl.load(part_ptr + r_s[:, None] * BLOCK_RN + r_n[None, :], mask=(r_s < R)[:, None],
+                              other=0.0)
+            r_logits = tl.sum(r_parts, axis=0).to(logits_ptr.dtype.element_ty)
+            tl.store(logits_ptr + r_n, r_logits, mask=r_n < ROWS)
+            r_all = r_logits.to(tl.float32)
+            r_valid = r_n < E
+            r_gate = tl.sum(tl.where(r_n == E, r_all, 0.0), axis=0)
+            _select(tl.where(r_valid, r_all, float("-inf")), r_valid, r_n, 0, r_gate, weights_ptr, ids_ptr, E, TOPK,
+                    BLOCK_RN, BLOCK_KK, SOFTMAX, RENORM, PIECES, GATED)
+            tl.debug_barrier()  # the routing is written before the ready flag
+            tl.atomic_xchg(sync_ptr, 0)
+            tl.atomic_xchg(sync_ptr + 1, 1, sem="release")
+        let_next_start(PDL)
+    else:  # an expert GEMM tile: pieces first, then the routed pairs
+        u = pid - R
+        pid_m = u // NT
+        pid_n = u % NT
+        routed = pid_m >= PIECES
+        if routed:
+            ready = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+            while ready == 0:
+                ready = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+        pair = tl.where(routed, pid_m - PIECES, TOPK + pid_m)  # its row of the routing (the pieces after top_k)
+        expert = tl.where(routed, tl.load(ids_ptr + pair, mask=routed, other=0), E + pid_m).to(tl.int64)
+        rows = tl.arange(0, BLOCK_SIZE_M)
+        offs_token = tl.where(rows == 0, pair, TOPK + PIECES).to(tl.int64)
+        token_mask = rows == 0
+        offs_bn = (pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N).to(tl.int64)) % N
+        offs_k = tl.arange(0, BLOCK_SIZE_K)
+        a_ptrs = x_ptr + rows[:, None] * 0 + offs_k[None, :]
+        b_ptrs = b_ptr + expert * stride_be + (offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn)
+        acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=token_mask[:, None], other=0.0)
+                b = tl.load(b_ptrs)
+            else:
+                k_left = H - k * BLOCK_SIZE_K
+                a = tl.load(a_ptrs, mask=token_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+                b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            acc = tl.dot(a, b, acc=acc)
+            a_ptrs += BLOCK_SIZE_K
+            b_ptrs += BLOCK_SIZE_K * stride_bk
+        let_next_start(PDL)
+        gate_v, up = tl.split(tl.reshape(acc.to(c_ptr.dtype.element_ty).to(tl.float32),
+                                         (BLOCK_SIZE_M, BLOCK_SIZE_N // 2, 2)))
+        store_tile(gate_v / (1.0 + tl.exp(-gate_v)) * up, c_ptr, weights_ptr, offs_token, token_mask, pid_n, N // 2,
+                   N // 2, 1, BLOCK_SIZE_N // 2, False)
+        if routed:  # the last routed tile resets the flags: every routed tile has read them by then
+            tl.debug_barrier()
+            fin = tl.atomic_add(sync_ptr + 2, 1, sem="acq_rel")
+            if fin == TOPK * NT - 1:
+                tl.atomic_xchg(sync_ptr + 2, 0)
+                tl.atomic_xchg(sync_ptr + 1, 0)
+
+
+def unsupported_reason(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor, num_experts: int, top_k: int,
+                       method: str, pieces: int, gated: bool) -> str | None:
+    """None when :func:`fused_moe_routed` takes these inputs, else why not."""
+    why = unsupported(method, num_experts, top_k)
+    if why is not None:
+        return why
+    if x.shape[0] != 1:
+        return f"{x.shape[0]} tokens (one only)"
+    if router_w.shape[0] > ROUTER_MAX_ROWS or router_w.shape[0] < num_experts + (1 if gated else 0):
+        return f"{router_w.shape[0]} router rows for {num_experts} experts"
+    if w13.shape[0] != num_experts + pieces or pieces < 1:
+        return f"{w13.shape[0]} experts in w13, expected {num_experts} routed + {pieces} pieces (at least one)"
+    if router_w.stride(1) != 1 or x.stride(1) != 1:
+        return "the router weight and x need contiguous rows"
+    return None
+
+
+def fused_moe_routed(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_experts: int,
+                     top_k: int, method: str, renormalize: bool, pieces: int, gated: bool, config: dict,
+                     sync: torch.Tensor, out: torch.Tensor | None = None, add_norm=None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token's MoE with a fused shared expert, the routing inside the first expert GEMM's grid: ``(output
+    [1, H], weights [1, k + P], ids [1, k + P], logits [1, rows])``, the routing as ``topk_route_partials`` of
+    ``router_partials`` writes it, the output as ``triton_kernels.fused_moe`` computes it from that routing.
+
+    ``w13`` ``[E + P, 2I, H]`` with gate/up rows interleaved (``interleave_gate_up``), the last ``P`` experts the
+    shared expert's pieces; ``w2`` ``[E + P, H, I]``; ``router_w`` ``[rows, H]`` (the shared expert's gate in row
+    ``E`` when ``gated``). ``sync``: a ``[3]`` int32 device tensor at zero, left at zero (CUDA graphs replay against
+    it; launches sharing it must not overlap). ``config``: the fused MoE's tile config."""
+    why = unsupported_reason(x, router_w, w13, num_experts, top_k, method, pieces, gated)
+    if why is not None:
+        raise ValueError(f"fused_moe_routed: {why}")
+    h = x.shape[1]
+    rows = router_w.shape[0]
+    e_all, two_i, _ = w13.shape
+    dev = x.device
+    block_rn = max(16, triton.next_power_of_2(rows))
+    rk_iters = max(1, triton.cdiv(h, ROUTER_BLOCK_K * ROUTER_SPLITS))
+    r = triton.cdiv(h, ROUTER_BLOCK_K * rk_iters)
+    width = top_k + pieces
+    parts = torch.empty((r, block_rn), dtype=torch.float32, device=dev)
+    weights = torch.empty((1, width), dtype=torch.float32, device=dev)
+    ids = torch.empty((1, width), dtype=torch.int32, device=dev)
+    logits = torch.empty((1, rows), dtype=router_w.dtype, device=dev)
+    act = torch.empty((width, two_i // 2), dtype=x.dtype, device=dev)
+    bn, bk = int(config["BLOCK_SIZE_N"]), int(config["BLOCK_SIZE_K"])
+    nt = triton.cdiv(two_i, bn)
+    grid = (r + width * nt,)
+    _route_moe_kernel[grid](
+        x, router_w, parts, sync, logits, weights, ids, w13, act, h, two_i, rows, num_experts, r, nt,
+        router_w.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), BLOCK_RN=block_rn, BLOCK_RK=ROUTER_BLOCK_K,
+        RK_ITERS=rk_iters, BLOCK_S=triton.next_power_of_2(r), TOPK=top_k, PIECES=pieces,
+        BLOCK_KK=triton.next_power_of_2(width), SOFTMAX=method == "softmax", RENORM=renormalize, GATED=gated,
+        BLOCK_SIZE_M=PAIRWISE_BLOCK_M, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, EVEN_K=h % bk == 0,
+        num_warps=int(config.get("num_warps", 4)), num_stages=int(config.get("num_stages", 3)), **launch_kwargs(1))
+    flat_w, flat_ids = weights.reshape(-1), ids.reshape(-1)
+    down = torch.empty((width, h), dtype=x.dtype, device=dev)
+    invoke_fused_moe_kernel(act, w2, down, flat_w, flat_ids, flat_ids, flat_ids, 1, config, pairwise=True, tokens=1)
+    if out is None:
+        out = torch.empty((1, h), dtype=x.dtype, device=dev)
+    return moe_combine(down, width, None, out, add_norm), weights, ids, logits

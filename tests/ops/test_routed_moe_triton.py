@@ -1,0 +1,133 @@
+"""A one-token MoE step with the routing inside the first expert GEMM's grid (``routed_moe_triton``,
+``moe_route_in_grid``) against the kernels it replaces: the router's partial sums and the routing kernel
+(``routing_triton``), then ``triton_kernels.fused_moe`` on that routing.
+
+CPU: under Triton's interpreter in one subprocess (which runs the programs one after another, so the routed tiles
+find the routing done). GPU (``-m gpu``): Qwen1.5-MoE's layer with PDL, eagerly and in a CUDA graph replayed with
+fresh inputs. Both require the same logits, weights, ids and output bit for bit, and the flags back at zero.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from triton_interpreter import is_worker, patch_for_numpy, run_worker  # noqa: E402
+
+SEED = int(os.environ.get("MOESERVE_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+CFG = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
+# name: (H, I, E routed, router rows, top-k, pieces, method, renormalize, gated, dtype)
+CASES = {
+    "qwen15-like-gated": (128, 40, 12, 16, 4, 2, "softmax", False, True, torch.float16),
+    "renorm-ungated-odd-H": (72, 24, 8, 16, 2, 1, "softmax", True, False, torch.float32),
+    "llama4-one-piece": (64, 32, 6, 16, 1, 3, "llama4", False, False, torch.float32),
+}
+
+
+def make_case(H, I, E, rows, k, pieces, gated, dtype, gen, device="cpu"):
+    from moeserve.ops.moe.triton_kernels import interleave_gate_up
+    x = torch.randn(1, H, generator=gen, device=device).to(dtype)
+    router = torch.randn(rows, H, generator=gen, device=device) / H ** 0.5 * 4
+    router[E + (1 if gated else 0):] = 0
+    w13 = (torch.randn(E + pieces, 2 * I, H, generator=gen, device=device) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E + pieces, H, I, generator=gen, device=device) / I ** 0.5).to(dtype)
+    return x, router.to(dtype), interleave_gate_up(w13), w2
+
+
+def separate(x, router, w13, w2, E, k, pieces, method, renorm, gated, config):
+    """The kernels the routed grid replaces: ``(out, weights, ids, logits)``."""
+    from moeserve.ops.moe.routing_triton import router_partials, topk_route_partials
+    from moeserve.ops.moe.triton_kernels import fused_moe
+    weights, ids, logits = topk_route_partials(router_partials(x, router), E, method, k, renorm, shared=pieces,
+                                               gated=gated)
+    out = fused_moe(x, w13, w2, weights, ids, config=config, pairwise_max_tokens=1, interleaved=True)
+    return out, weights, ids, logits
+
+
+def _interpreter_worker(in_path: str, out_path: str) -> None:
+    patch_for_numpy()
+    from moeserve.ops.moe.routed_moe_triton import fused_moe_routed
+    inputs = torch.load(in_path)
+    out = {}
+    for name, (x, router, w13, w2, E, k, pieces, method, renorm, gated) in inputs.items():
+        sync = torch.zeros(3, dtype=torch.int32)
+        runs = [fused_moe_routed(x, router, w13, w2, E, k, method, renorm, pieces, gated, CFG, sync) for _ in range(2)]
+        out[name] = (runs, separate(x, router, w13, w2, E, k, pieces, method, renorm, gated, CFG), sync.clone())
+    torch.save(out, out_path)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    gen = torch.Generator().manual_seed(SEED)
+    inputs = {}
+    for name, (H, I, E, rows, k, pieces, method, renorm, gated, dtype) in CASES.items():
+        inputs[name] = (*make_case(H, I, E, rows, k, pieces, gated, dtype, gen), E, k, pieces, method, renorm, gated)
+    return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("routed"), SEED, timeout=600)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_routing_in_the_experts_grid_matches_the_separate_kernels_interpreter(interpreted, name):
+    """Twice on one set of flags: the output, weights, ids and logits of the separate kernels, bit for bit; the
+    ids hold the pieces after the routed experts; the flags are back at zero."""
+    inputs, outputs = interpreted
+    x, router, w13, w2, E, k, pieces, *_ = inputs[name]
+    runs, ref, sync = outputs[name]
+    for run in runs:
+        for what, got, want in zip(("output", "weights", "ids", "logits"), run, ref):
+            assert torch.equal(got, want), f"seed {SEED}: {what} differs from the separate kernels'"
+    assert runs[0][2][0, k:].tolist() == list(range(E, E + pieces))
+    assert sync.tolist() == [0, 0, 0]
+
+
+def test_what_it_does_not_take_is_named():
+    from moeserve.ops.moe.routed_moe_triton import fused_moe_routed
+    x, router, w13, w2 = make_case(64, 32, 6, 16, 2, 1, False, torch.float32, torch.Generator().manual_seed(0))
+    sync = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="2 tokens"):
+        fused_moe_routed(x.expand(2, -1), router, w13, w2, 6, 2, "softmax", False, 1, False, {}, sync)
+    with pytest.raises(ValueError, match="7 experts in w13, expected 6 routed \\+ 2 pieces"):
+        fused_moe_routed(x, router, w13, w2, 6, 2, "softmax", False, 2, False, {}, sync)
+    with pytest.raises(ValueError, match="routing is deepseek_v3"):
+        fused_moe_routed(x, router, w13, w2, 6, 2, "deepseek_v3", False, 1, False, {}, sync)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_routing_in_the_experts_grid_on_the_gpu_in_a_cuda_graph():
+    """Qwen1.5-MoE's layer (60 experts, top-4, the shared expert's gate a router row, four pieces), the tuned
+    one-token tiles, PDL: eagerly and over 50 CUDA-graph replays with fresh tokens, bit for bit the separate
+    kernels' routing and output, and the flags at zero after each."""
+    from moeserve.ops import pdl
+    from moeserve.ops.moe.routed_moe_triton import fused_moe_routed
+    from moeserve.ops.moe.triton_configs import get_config
+    gen = torch.Generator(device="cuda").manual_seed(SEED)
+    H, I, E, k, pieces = 2048, 1408, 60, 4, 4
+    x, router, w13, w2 = make_case(H, I, E, 64, k, pieces, True, torch.bfloat16, gen, "cuda")
+    cfg = get_config(1, E, I, H, k, torch.bfloat16)[0]
+    sync = torch.zeros(3, dtype=torch.int32, device="cuda")
+    args = (E, k, "softmax", False, pieces, True, cfg, sync)
+    with pdl.enabled_as(64):
+        eager = fused_moe_routed(x, router, w13, w2, *args)
+        ref = separate(x, router, w13, w2, E, k, pieces, "softmax", False, True, cfg)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            got = fused_moe_routed(x, router, w13, w2, *args)
+            want = separate(x, router, w13, w2, E, k, pieces, "softmax", False, True, cfg)
+    torch.cuda.synchronize()
+    for a, b in zip(eager, ref):
+        assert torch.equal(a, b), f"seed {SEED}: eager"
+    for replay in range(50):
+        x.copy_(torch.randn(1, H, generator=gen, device="cuda").bfloat16())
+        g.replay()
+        torch.cuda.synchronize()
+        for what, a, b in zip(("output", "weights", "ids", "logits"), got, want):
+            assert torch.equal(a, b), f"seed {SEED}: replay {replay}: {what}"
+        assert sync.tolist() == [0, 0, 0]
+
+
+if __name__ == "__main__" and is_worker(sys.argv):
+    _interpreter_worker(sys.argv[2], sys.argv[3])
