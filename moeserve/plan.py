@@ -118,13 +118,15 @@ class RuntimePlan:
                 and self.backends["moe"].name == "triton")
 
     @property
-    def moe_route_in_grid(self) -> bool:
-        """Whether one-token steps route inside the fused MoE's first grid (``moe_route_in_grid``; with the shared
-        expert fused into the Triton MoE, the Triton router taking its GEMM, no ``router_fuse_norm``)."""
+    def moe_route_in_grid(self) -> str:
+        """How one-token steps route inside the fused MoE's first grid (``moe_route_in_grid``: 'atomic' or 'load'
+        with the shared expert fused into the Triton MoE, the Triton router taking its GEMM, no
+        ``router_fuse_norm``), else 'off'."""
         from moeserve.ops.moe.routing_triton import METHODS
-        return (self.config.moe_route_in_grid and self.moe_fused_shared_early
-                and self.backends["routing"].name == "fused" and self.arch.routing.method in METHODS
-                and self.config.router_split_k_max_tokens >= 1 and not self.router_fuse_norm)
+        on = (self.config.moe_route_in_grid != "off" and self.moe_fused_shared_early
+              and self.backends["routing"].name == "fused" and self.arch.routing.method in METHODS
+              and self.config.router_split_k_max_tokens >= 1 and not self.router_fuse_norm)
+        return self.config.moe_route_in_grid if on else "off"
 
     @property
     def router_fuse_norm(self) -> bool:

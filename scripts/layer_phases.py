@@ -6,8 +6,8 @@
 For every layer (from the norm before its QKV GEMV to the norm before the next layer's): the median time from the
 end of each phase's last kernel to the end of the next one's (norm, QKV GEMV, attention, output projection, the
 post-attention norm, routing, the MoE phase up to the combine), then, inside the MoE phase, each kernel's median
-start and end after routing. Kernels launched with programmatic dependent launch start before their predecessor
-ends, so a phase is measured by ends.
+start and end after routing (after the post-attention norm where the routing runs in the MoE's grid). Kernels
+launched with programmatic dependent launch start before their predecessor ends, so a phase is measured by ends.
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def layer_phases(ks: list) -> tuple[dict, dict]:
         attn = next(k for k in seg if k[0].startswith("qkv_decode"))
         o = next(k for k in seg if k[0] == "_gemv_kernel" and k[4] == "[64, 1, 1]")
         n2 = next(k for k in seg if "FusedAddRMSNorm" in k[0] and k[2] > o[2])
-        topk = next(k for k in seg if k[0].startswith(("_topk_route", "_router_topk")))  # (the latter: a branch's)
+        topk = next((k for k in seg if k[0].startswith(("_topk_route", "_router_topk"))),  # (the latter: a branch's)
+                    n2)  # none with moe_route_in_grid: the routing runs in the MoE's first grid, its phase is 0
         comb = next(k for k in seg if k[0] == "moe_combine_kernel")
         t = [seg[0][2], end(seg[0]), end(seg[1]), end(attn), end(o), end(n2), end(topk), end(comb)]
         for name, a, b in zip(PHASES, t, t[1:]):

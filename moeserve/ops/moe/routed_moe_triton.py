@@ -6,12 +6,16 @@ GEMM tiles need only the layer's input, while the routed experts' tiles need the
 the routing ends on an H200. Here one grid holds all three:
 
 - programs ``0 .. R - 1`` compute the router's partial sums over slices of the hidden size; each counts itself
-  done on ``sync[0]``, and the last adds the sums in slice order (as ``routing_triton``'s routing kernel does: the
-  same logits, weights and ids), routes, resets ``sync[0]`` and sets ``sync[1]`` (ready);
+  done on the first flag, and the last adds the sums in slice order (as ``routing_triton``'s routing kernel does: the
+  same logits, weights and ids), routes, resets that flag and sets the second (ready);
 - the next ``P * NT`` programs are the shared pieces' tiles: they start with the grid, once the norm before it
   has completed;
-- the last ``top_k * NT`` programs are the routed tiles: each waits for ``sync[1]``, reads its expert, and counts
-  itself done on ``sync[2]``; the last resets ``sync[1]`` and ``sync[2]`` for the next launch.
+- the last ``top_k * NT`` programs are the routed tiles: each waits for the ready flag, reads its expert, and counts
+  itself done on the third flag; the last resets the ready flag and the third for the next launch.
+
+The three flags lie on their own 128-byte lines (``SYNC_STRIDE`` words apart: the router's atomics do not queue
+behind the waiting tiles' reads of the ready flag). The routed tiles wait with atomic reads, or with ``spin_load``
+with plain volatile loads and one atomic read once the flag is set.
 
 The routed tiles wait on programs with lower ids, which the GPU schedules first, so they do not wait on programs
 that cannot start. The down GEMM and the combine are ``triton_kernels``'s.
@@ -29,6 +33,13 @@ from .combine import moe_combine
 from .routing_triton import ROUTER_BLOCK_K, ROUTER_MAX_ROWS, ROUTER_SPLITS, _select, unsupported
 from .triton_kernels import PAIRWISE_BLOCK_M, invoke_fused_moe_kernel, store_tile
 
+SYNC_STRIDE = 32  # int32 words between the flags: one 128-byte line each
+
+
+def new_sync(device: torch.device | str) -> torch.Tensor:
+    """The flags :func:`fused_moe_routed` takes, at zero."""
+    return torch.zeros(3 * SYNC_STRIDE, dtype=torch.int32, device=device)
+
 
 @triton.jit
 def _route_moe_kernel(x_ptr, rw_ptr, part_ptr, sync_ptr, logits_ptr, weights_ptr, ids_ptr, b_ptr, c_ptr,
@@ -37,7 +48,9 @@ def _route_moe_kernel(x_ptr, rw_ptr, part_ptr, sync_ptr, logits_ptr, weights_ptr
                       TOPK: tl.constexpr, PIECES: tl.constexpr, BLOCK_KK: tl.constexpr, SOFTMAX: tl.constexpr,
                       RENORM: tl.constexpr, GATED: tl.constexpr, BLOCK_SIZE_M: tl.constexpr,
                       BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, EVEN_K: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      SPIN_LOAD: tl.constexpr = False, PDL: tl.constexpr = False):
+    READY: tl.constexpr = 32  # SYNC_STRIDE
+    FIN: tl.constexpr = 64
     pid = tl.program_id(0)
     wait_prior(PDL, LET_NEXT=False)
     if pid < R:  # the router's slice pid of the hidden size
@@ -69,7 +82,7 @@ def _route_moe_kernel(x_ptr, rw_ptr, part_ptr, sync_ptr, logits_ptr, weights_ptr
                     BLOCK_RN, BLOCK_KK, SOFTMAX, RENORM, PIECES, GATED)
             tl.debug_barrier()  # the routing is written before the ready flag
             tl.atomic_xchg(sync_ptr, 0)
-            tl.atomic_xchg(sync_ptr + 1, 1, sem="release")
+            tl.atomic_xchg(sync_ptr + READY, 1, sem="release")
         let_next_start(PDL)
     else:  # an expert GEMM tile: pieces first, then the routed pairs
         u = pid - R
@@ -77,9 +90,13 @@ def _route_moe_kernel(x_ptr, rw_ptr, part_ptr, sync_ptr, logits_ptr, weights_ptr
         pid_n = u % NT
         routed = pid_m >= PIECES
         if routed:
-            ready = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+            if SPIN_LOAD:
+                seen = tl.load(sync_ptr + READY, volatile=True)
+                while seen == 0:
+                    seen = tl.load(sync_ptr + READY, volatile=True)
+            ready = tl.atomic_add(sync_ptr + READY, 0, sem="acquire")
             while ready == 0:
-                ready = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+                ready = tl.atomic_add(sync_ptr + READY, 0, sem="acquire")
         pair = tl.where(routed, pid_m - PIECES, TOPK + pid_m)  # its row of the routing (the pieces after top_k)
         expert = tl.where(routed, tl.load(ids_ptr + pair, mask=routed, other=0), E + pid_m).to(tl.int64)
         rows = tl.arange(0, BLOCK_SIZE_M)
@@ -108,10 +125,10 @@ def _route_moe_kernel(x_ptr, rw_ptr, part_ptr, sync_ptr, logits_ptr, weights_ptr
                    N // 2, 1, BLOCK_SIZE_N // 2, False)
         if routed:  # the last routed tile resets the flags: every routed tile has read them by then
             tl.debug_barrier()
-            fin = tl.atomic_add(sync_ptr + 2, 1, sem="acq_rel")
+            fin = tl.atomic_add(sync_ptr + FIN, 1, sem="acq_rel")
             if fin == TOPK * NT - 1:
-                tl.atomic_xchg(sync_ptr + 2, 0)
-                tl.atomic_xchg(sync_ptr + 1, 0)
+                tl.atomic_xchg(sync_ptr + FIN, 0)
+                tl.atomic_xchg(sync_ptr + READY, 0)
 
 
 def unsupported_reason(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor, num_experts: int, top_k: int,
@@ -133,7 +150,7 @@ def unsupported_reason(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tenso
 
 def fused_moe_routed(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_experts: int,
                      top_k: int, method: str, renormalize: bool, pieces: int, gated: bool, config: dict,
-                     sync: torch.Tensor, out: torch.Tensor | None = None, add_norm=None
+                     sync: torch.Tensor, out: torch.Tensor | None = None, add_norm=None, spin_load: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token's MoE with a fused shared expert, the routing inside the first expert GEMM's grid: ``(output
     [1, H], weights [1, k + P], ids [1, k + P], logits [1, rows])``, the routing as ``topk_route_partials`` of
@@ -141,9 +158,12 @@ def fused_moe_routed(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor,
 
     ``w13`` ``[E + P, 2I, H]`` with gate/up rows interleaved (``interleave_gate_up``), the last ``P`` experts the
     shared expert's pieces; ``w2`` ``[E + P, H, I]``; ``router_w`` ``[rows, H]`` (the shared expert's gate in row
-    ``E`` when ``gated``). ``sync``: a ``[3]`` int32 device tensor at zero, left at zero (CUDA graphs replay against
-    it; launches sharing it must not overlap). ``config``: the fused MoE's tile config."""
+    ``E`` when ``gated``). ``sync``: :func:`new_sync`'s flags, at zero and left at zero (CUDA graphs replay against
+    them; launches sharing them must not overlap). ``spin_load``: the routed tiles wait with volatile loads.
+    ``config``: the fused MoE's tile config."""
     why = unsupported_reason(x, router_w, w13, num_experts, top_k, method, pieces, gated)
+    if why is None and (sync.dtype != torch.int32 or sync.numel() < 3 * SYNC_STRIDE):
+        why = f"flags of {sync.numel()} {sync.dtype} (new_sync's {3 * SYNC_STRIDE} int32)"
     if why is not None:
         raise ValueError(f"fused_moe_routed: {why}")
     h = x.shape[1]
@@ -167,7 +187,7 @@ def fused_moe_routed(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor,
         router_w.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), BLOCK_RN=block_rn, BLOCK_RK=ROUTER_BLOCK_K,
         RK_ITERS=rk_iters, BLOCK_S=triton.next_power_of_2(r), TOPK=top_k, PIECES=pieces,
         BLOCK_KK=triton.next_power_of_2(width), SOFTMAX=method == "softmax", RENORM=renormalize, GATED=gated,
-        BLOCK_SIZE_M=PAIRWISE_BLOCK_M, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, EVEN_K=h % bk == 0,
+        BLOCK_SIZE_M=PAIRWISE_BLOCK_M, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, EVEN_K=h % bk == 0, SPIN_LOAD=spin_load,
         num_warps=int(config.get("num_warps", 4)), num_stages=int(config.get("num_stages", 3)), **launch_kwargs(1))
     flat_w, flat_ids = weights.reshape(-1), ids.reshape(-1)
     down = torch.empty((width, h), dtype=x.dtype, device=dev)

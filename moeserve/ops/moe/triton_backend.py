@@ -86,14 +86,14 @@ class TritonMoE(MoEBackend):
     def experts_routed(self, x: torch.Tensor, layer, add_norm=None) -> torch.Tensor:
         """A one-token step's routing and experts (``takes_routing``), the routing inside the first expert GEMM's
         grid (``routed_moe_triton.fused_moe_routed``)."""
-        from moeserve.ops.moe.routed_moe_triton import fused_moe_routed
+        from moeserve.ops.moe.routed_moe_triton import fused_moe_routed, new_sync
         e, two_i, h = layer.w13.shape
         config = self._configs.get_config(1, e - layer.fused_shared, two_i // 2, h, layer.top_k, x.dtype)[0]
         sync = self._sync.get(x.device)
         if sync is None:
-            sync = self._sync[x.device] = torch.zeros(3, dtype=torch.int32, device=x.device)
+            sync = self._sync[x.device] = new_sync(x.device)
         c = layer.routing
         out, _, _, _ = fused_moe_routed(x, layer.gate.weight, layer.w13, layer.w2, layer.num_experts, c.top_k, c.method,
                                         c.renormalize, layer.fused_shared, layer.shared_gate_in_router, config, sync,
-                                        add_norm=add_norm)
+                                        add_norm=add_norm, spin_load=layer.ops.moe_route_in_grid == "load")
         return out
