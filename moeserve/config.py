@@ -273,11 +273,11 @@ class EngineConfig(_Strict):
         True, description="one-token steps that run the shared expert inside the Triton MoE (with PDL): the first "
         "expert GEMM's tiles of the shared expert come first and stream their weights while the routing still runs, "
         "as they need only the layer's input; false: every tile waits for the routing")
-    moe_route_in_grid: Literal["off", "atomic", "load"] = Field(
-        "off", description="experiment: one-token steps that run the shared expert inside the Triton MoE with fused "
-        "(Triton) routing compute the router's GEMM and the routing in the first expert GEMM's grid, whose shared "
-        "tiles start with it and whose routed tiles wait for the routing on a flag, read with atomics ('atomic') or "
-        "volatile loads ('load')")
+    moe_route_in_grid: bool = Field(
+        True, description="one-token steps that run the shared expert inside the Triton MoE with fused (Triton) "
+        "routing, with moe_fused_shared_early: the router's GEMM and the routing run in the first expert GEMM's grid, "
+        "whose shared-expert tiles start with it and whose routed tiles wait for the routing on a flag; false: three "
+        "kernels (router, routing, expert GEMM)")
     moe_fuse_norm: bool = Field(
         False, description="Triton MoE on unquantised experts, one GPU: the MoE combine also adds the block's output "
         "to the residual and applies the next layer's input norm (or the final norm), one launch per layer fewer")
@@ -312,11 +312,6 @@ class EngineConfig(_Strict):
         if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
             return v
         raise ValueError(f"{v!r} is not a device; use auto, cpu, cuda or cuda:N")
-
-    @field_validator("moe_route_in_grid", mode="before")
-    @classmethod
-    def _route_in_grid(cls, v):
-        return "off" if v is False else v  # YAML reads a bare off as false
 
     @field_validator("gpu_arch")
     @classmethod

@@ -118,15 +118,14 @@ class RuntimePlan:
                 and self.backends["moe"].name == "triton")
 
     @property
-    def moe_route_in_grid(self) -> str:
-        """How one-token steps route inside the fused MoE's first grid (``moe_route_in_grid``: 'atomic' or 'load'
-        with the shared expert fused into the Triton MoE, the Triton router taking its GEMM, no
-        ``router_fuse_norm``), else 'off'."""
+    def moe_route_in_grid(self) -> bool:
+        """Whether one-token steps route inside the fused MoE's first grid (``moe_route_in_grid``; with the shared
+        expert fused into the Triton MoE and started early, the Triton router taking its GEMM, no
+        ``router_fuse_norm``)."""
         from moeserve.ops.moe.routing_triton import METHODS
-        on = (self.config.moe_route_in_grid != "off" and self.moe_fused_shared_early
-              and self.backends["routing"].name == "fused" and self.arch.routing.method in METHODS
-              and self.config.router_split_k_max_tokens >= 1 and not self.router_fuse_norm)
-        return self.config.moe_route_in_grid if on else "off"
+        return (self.config.moe_route_in_grid and self.moe_fused_shared_early
+                and self.backends["routing"].name == "fused" and self.arch.routing.method in METHODS
+                and self.config.router_split_k_max_tokens >= 1 and not self.router_fuse_norm)
 
     @property
     def router_fuse_norm(self) -> bool:

@@ -41,7 +41,7 @@ class Ops:
     # runs (``moe_fused_shared_early``).
     moe_fused_shared_early: bool = False
     # One-token steps run the router and routing in the fused MoE's first grid (``moe_route_in_grid``).
-    moe_route_in_grid: str = "off"  # or "atomic" / "load": how the routed tiles wait
+    moe_route_in_grid: bool = False
     parallel: Parallel = field(default_factory=Parallel)  # this rank's place among the GPUs (one rank: no split)
 
 

@@ -327,7 +327,7 @@ class SparseMoE(nn.Module):
                 partials: RouterPartials | None = None) -> torch.Tensor:
         """The block's output for the tokens ``x``; with ``add_norm`` (only where ``takes_norm``), the norm of
         the residual it was added to. ``partials``: the router's partial sums for ``x`` (``router_fuse_norm``)."""
-        if (partials is None and self.ops.moe_route_in_grid != "off" and self.moe_parallel is None
+        if (partials is None and self.ops.moe_route_in_grid and self.moe_parallel is None
                 and not self.router_fp32 and self.router_gemm_split(x.shape[0])
                 and self.ops.moe.takes_routing(x, self)):
             return self.ops.moe.experts_routed(x, self, add_norm=add_norm)  # routing inside the experts' grid

@@ -95,5 +95,5 @@ class TritonMoE(MoEBackend):
         c = layer.routing
         out, _, _, _ = fused_moe_routed(x, layer.gate.weight, layer.w13, layer.w2, layer.num_experts, c.top_k, c.method,
                                         c.renormalize, layer.fused_shared, layer.shared_gate_in_router, config, sync,
-                                        add_norm=add_norm, spin_load=layer.ops.moe_route_in_grid == "load")
+                                        add_norm=add_norm)
         return out
