@@ -17,7 +17,10 @@ kernel's blocks do not wait on SMs that the GEMM's later blocks could run on. On
 (``moe_fused_shared_early``): in a one-token step the fused MoE's tiles of a fused shared expert read their
 input before waiting, and the routing kernel before it lets it be scheduled at once: by then every router
 program has passed its own wait for the norm that wrote that input (``triton_kernels.fused_moe``'s
-``fixed_tail``). ``PDL`` false compiles the kernel as before; the Triton interpreter runs it that way.
+``fixed_tail``). Where ``moe_route_in_grid`` applies (the default), such a step instead runs the router, the
+routing and that GEMM as one grid (``moe.routed_moe_triton``), which waits first like the others; its routed tiles
+then wait on a flag the routing sets. ``PDL`` false compiles the kernel as before; the Triton interpreter runs it
+that way.
 
 The switch is process-wide (:func:`configure`), by step size: the engine sets it from its plan at start, before
 it warms or captures anything, and again before each step; ``moeserve precompile`` sets it from the plan of the
