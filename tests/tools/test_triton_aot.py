@@ -47,7 +47,7 @@ def test_dry_run_lists_the_triton_kernels_of_the_bench_configuration(tmp_path):
     # kernel at Qwen1.5's heads
     assert "_silu_and_mul_kernel" not in text
     assert "_route_moe_kernel" in text and "TOPK=4 PIECES=4" in text and "GATED=True BLOCK_SIZE_M=16 " \
-        "BLOCK_SIZE_N=32 BLOCK_SIZE_K=128 EVEN_K=True DOWN=False" in text
+        "BLOCK_SIZE_N=32 BLOCK_SIZE_K=128 EVEN_K=True PDL=True" in text
     assert "GROUP_SIZE_M=1 MUL_ROUTED_WEIGHT=False EVEN_K=True IEEE_FP32=False PAIRWISE=True SILU_MUL=True" in text
     assert "HQ=16 HKV=16 D=128 ROT=128 PAGE=16" in text and "QK_NORM=False" in text
     # Qwen1.5's gated shared expert: the combine adds it with the gate from the router's extra row
