@@ -278,10 +278,6 @@ class EngineConfig(_Strict):
         "routing, with moe_fused_shared_early: the router's GEMM and the routing run in the first expert GEMM's grid, "
         "whose shared-expert tiles start with it and whose routed tiles wait for the routing on a flag; false: three "
         "kernels (router, routing, expert GEMM)")
-    moe_down_in_grid: bool = Field(
-        False, description="experiment, with moe_route_in_grid: the down GEMM's tiles join that grid, each waiting "
-        "for its pair's activations on a flag, so the shared expert's down tiles can start while the routed "
-        "experts' first GEMM still runs; false: the down GEMM is the next kernel")
     moe_fuse_norm: bool = Field(
         False, description="Triton MoE on unquantised experts, one GPU: the MoE combine also adds the block's output "
         "to the residual and applies the next layer's input norm (or the final norm), one launch per layer fewer")

@@ -128,11 +128,6 @@ class RuntimePlan:
                 and self.config.router_split_k_max_tokens >= 1 and not self.router_fuse_norm)
 
     @property
-    def moe_down_in_grid(self) -> bool:
-        """Whether the grid of ``moe_route_in_grid`` also holds the down GEMM (``moe_down_in_grid``)."""
-        return self.config.moe_down_in_grid and self.moe_route_in_grid
-
-    @property
     def router_fuse_norm(self) -> bool:
         """Whether small steps fold the post-attention norm into the router's partial sums (``router_fuse_norm``;
         where the router takes its GEMM): one rank, not under torch.compile."""
@@ -183,7 +178,6 @@ class RuntimePlan:
                 "fuse_shared_expert_max_tokens": fused or 0,
                 "fused_shared_early": self.moe_fused_shared_early,
                 "route_in_grid": self.moe_route_in_grid,
-                "down_in_grid": self.moe_down_in_grid,
                 "fuse_norm": moe and self.moe_fuse_norm,
                 "router_fuse_norm": (bool(routing) and self.config.router_split_k_max_tokens > 0
                                      and self.router_fuse_norm),

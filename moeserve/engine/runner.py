@@ -172,8 +172,7 @@ class ModelRunner:
                    side_stream=torch.cuda.Stream(dev) if side else None,
                    side_stream_max_tokens=self.cfg.shared_expert_stream_max_tokens, parallel=self.parallel,
                    moe_fuse_norm=plan.moe_fuse_norm, router_fuse_norm=plan.router_fuse_norm,
-                   moe_fused_shared_early=plan.moe_fused_shared_early, moe_route_in_grid=plan.moe_route_in_grid,
-                   moe_down_in_grid=plan.moe_down_in_grid)
+                   moe_fused_shared_early=plan.moe_fused_shared_early, moe_route_in_grid=plan.moe_route_in_grid)
 
     def _load_model(self) -> tuple[MoECausalLM, str, list[str]]:
         """The model with its weights in place and every MoE layer prepared by the routing and MoE backends;

@@ -42,7 +42,6 @@ class Ops:
     moe_fused_shared_early: bool = False
     # One-token steps run the router and routing in the fused MoE's first grid (``moe_route_in_grid``).
     moe_route_in_grid: bool = False
-    moe_down_in_grid: bool = False  # ... and the down GEMM in that grid too (``moe_down_in_grid``)
     parallel: Parallel = field(default_factory=Parallel)  # this rank's place among the GPUs (one rank: no split)
 
 

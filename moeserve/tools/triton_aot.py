@@ -217,7 +217,6 @@ def meta_moe_layer(plan, device: torch.device | None = None):
     ops.moe_fuse_norm, ops.router_fuse_norm = fp["fuse_norm"], fp["router_fuse_norm"]
     ops.moe_fused_shared_early = fp.get("fused_shared_early", False)
     ops.moe_route_in_grid = fp.get("route_in_grid", False)
-    ops.moe_down_in_grid = fp.get("down_in_grid", False)
     layer = SparseMoE(ops, plan.arch, dtype, meta)
     if fp["fuse_shared_expert"]:
         layer.fuse_shared_expert(fp.get("fuse_shared_expert_pieces", 0), fp.get("fuse_shared_expert_max_tokens", 0))

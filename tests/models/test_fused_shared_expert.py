@@ -136,10 +136,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("pieces,max_tokens,in_grid",
-                         [(0, 0, False), (1, 0, False), (0, 4, False), (0, 4, True), (0, 4, "down")],
-                         ids=["all", "one-piece", "small-steps", "small-steps-route-in-grid",
-                              "small-steps-down-in-grid"])
+@pytest.mark.parametrize("pieces,max_tokens,in_grid", [(0, 0, False), (1, 0, False), (0, 4, False), (0, 4, True)],
+                         ids=["all", "one-piece", "small-steps", "small-steps-route-in-grid"])
 def test_fused_shared_expert_on_the_gpu_follows_the_unfused_engine(tmp_path, pieces, max_tokens, in_grid):
     """The Triton router appends the gated shared columns, the Triton MoE runs E + 2 experts (one-token steps
     pairwise, larger ones aligned), CUDA graphs on (bfloat16: FlashInfer's attention); against the unfused
@@ -147,8 +145,8 @@ def test_fused_shared_expert_on_the_gpu_follows_the_unfused_engine(tmp_path, pie
     runs apart on the side stream, gated by the router's column. ``max_tokens`` 4: only steps of at most 4 tokens
     (the decode graphs of 1, 2 and 4) fuse it, the graph of 8 and the prefill run it apart beside the routed
     experts, which the Triton MoE still reads from the tensor of E + 2. ``in_grid``: one-token steps route inside
-    the fused MoE's first grid (``moe_route_in_grid``), with ``"down"`` the down GEMM too (``moe_down_in_grid``).
-    A small KV cache each, so the two engines leave the GPU to later tests."""
+    the fused MoE's first grid (``moe_route_in_grid``). A small KV cache each, so the two engines leave the GPU to
+    later tests."""
     from moeserve.config import make_config
     from moeserve.engine.engine import LLMEngine
     make_checkpoint("qwen2_moe", tmp_path, seed=1, hidden_size=512, num_attention_heads=4, num_key_value_heads=4,
@@ -162,8 +160,7 @@ def test_fused_shared_expert_on_the_gpu_follows_the_unfused_engine(tmp_path, pie
                                      moe_fuse_shared_expert=fused and not max_tokens,
                                      moe_fuse_shared_expert_max_tokens=max_tokens if fused else 0,
                                      moe_fuse_shared_expert_pieces=pieces if fused else 0,
-                                     moe_route_in_grid=bool(in_grid) and fused,
-                                     moe_down_in_grid=in_grid == "down" and fused))
+                                     moe_route_in_grid=in_grid and fused))
     fast, ref = engine(True), engine(False)
     block = fast.runner.model.moe_blocks()[0]
     assert fast.runner.backend_names["moe"] == "triton" and block.router is not None and block.router.appends_shared
@@ -175,8 +172,7 @@ def test_fused_shared_expert_on_the_gpu_follows_the_unfused_engine(tmp_path, pie
     else:
         assert block.fused_shared == 2 and block.shared_expert is None
     assert fast.runner.graphs is not None
-    assert fast.runner.plan.moe_route_in_grid == bool(in_grid)
-    assert fast.runner.plan.moe_down_in_grid == (in_grid == "down")
+    assert fast.runner.plan.moe_route_in_grid == in_grid
     if in_grid:
         x = torch.zeros(1, 512, dtype=torch.bfloat16, device="cuda")
         moe = fast.runner.ops.moe

@@ -55,8 +55,7 @@ def _interpreter_worker(in_path: str, out_path: str) -> None:
     out = {}
     for name, (x, router, w13, w2, E, k, pieces, method, renorm, gated) in inputs.items():
         sync = new_sync("cpu")
-        runs = [fused_moe_routed(x, router, w13, w2, E, k, method, renorm, pieces, gated, CFG, sync, down=down)
-                for down in (False, True, True)]
+        runs = [fused_moe_routed(x, router, w13, w2, E, k, method, renorm, pieces, gated, CFG, sync) for _ in range(2)]
         out[name] = (runs, separate(x, router, w13, w2, E, k, pieces, method, renorm, gated, CFG), sync.clone())
     torch.save(out, out_path)
 
@@ -72,9 +71,8 @@ def interpreted(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_routing_in_the_experts_grid_matches_the_separate_kernels_interpreter(interpreted, name):
-    """Three times on one set of flags (the down GEMM apart, then twice in the grid): the output, weights, ids and
-    logits of the separate kernels, bit for bit; the ids hold the pieces after the routed experts; the flags are
-    back at zero."""
+    """Twice on one set of flags: the output, weights, ids and logits of the separate kernels, bit for bit; the
+    ids hold the pieces after the routed experts; the flags are back at zero."""
     inputs, outputs = interpreted
     x, router, w13, w2, E, k, pieces, *_ = inputs[name]
     runs, ref, sync = outputs[name]
@@ -97,15 +95,11 @@ def test_what_it_does_not_take_is_named():
         fused_moe_routed(x, router, w13, w2, 6, 2, "softmax", False, 2, False, {}, sync)
     with pytest.raises(ValueError, match="routing is deepseek_v3"):
         fused_moe_routed(x, router, w13, w2, 6, 2, "deepseek_v3", False, 1, False, {}, sync)
-    x, router, w13, w2 = make_case(64, 32, 8, 16, 8, 9, False, torch.float32, torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="17 pairs with the down GEMM in the grid \\(at most 16\\)"):
-        fused_moe_routed(x, router, w13, w2, 8, 8, "softmax", False, 9, False, {}, sync, down=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("down", [False, True], ids=["down-apart", "down-in-grid"])
-def test_routing_in_the_experts_grid_on_the_gpu_in_a_cuda_graph(down):
+def test_routing_in_the_experts_grid_on_the_gpu_in_a_cuda_graph():
     """Qwen1.5-MoE's layer (60 experts, top-4, the shared expert's gate a router row, four pieces), the tuned
     one-token tiles, PDL: eagerly and over 50 CUDA-graph replays with fresh tokens, bit for bit the separate
     kernels' routing and output, and the flags at zero after each."""
@@ -119,11 +113,11 @@ def test_routing_in_the_experts_grid_on_the_gpu_in_a_cuda_graph(down):
     sync = new_sync("cuda")
     args = (E, k, "softmax", False, pieces, True, cfg, sync)
     with pdl.enabled_as(64):
-        eager = fused_moe_routed(x, router, w13, w2, *args, down=down)
+        eager = fused_moe_routed(x, router, w13, w2, *args)
         ref = separate(x, router, w13, w2, E, k, pieces, "softmax", False, True, cfg)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            got = fused_moe_routed(x, router, w13, w2, *args, down=down)
+            got = fused_moe_routed(x, router, w13, w2, *args)
             want = separate(x, router, w13, w2, E, k, pieces, "softmax", False, True, cfg)
     torch.cuda.synchronize()
     for a, b in zip(eager, ref):

@@ -17,14 +17,8 @@ The three flags lie on their own 128-byte lines (``SYNC_STRIDE`` words apart: th
 behind the waiting tiles' reads of the ready flag). The routed tiles wait with atomic reads (waiting with volatile
 loads, then one atomic read, was 1.9% slower at c=1 on an H200).
 
-With ``down`` (``moe_down_in_grid``, an experiment) the grid also holds the down GEMM, its tiles after the first
-GEMM's in the same order (pieces, then routed pairs): the first GEMM's tiles of pair ``p`` count themselves done on
-pair ``p``'s flag once their activations are stored, and a down tile of pair ``p`` waits for all of them, then,
-before it scales by the routing weight, for the ready flag. The last down tile to finish resets every flag. The
-down tiles of the shared pieces can then start while the routed experts' first GEMM still runs.
-
 The routed tiles wait on programs with lower ids, which the GPU schedules first, so they do not wait on programs
-that cannot start. The down GEMM (unless ``down``) and the combine are ``triton_kernels``'s.
+that cannot start. The down GEMM and the combine are ``triton_kernels``'s.
 """
 from __future__ import annotations
 
@@ -40,29 +34,23 @@ from .routing_triton import ROUTER_BLOCK_K, ROUTER_MAX_ROWS, ROUTER_SPLITS, _sel
 from .triton_kernels import PAIRWISE_BLOCK_M, invoke_fused_moe_kernel, store_tile
 
 SYNC_STRIDE = 32  # int32 words between the flags: one 128-byte line each
-SYNC_PAIRS = 16  # pairs (top_k + pieces) the flags of new_sync serve with ``down``
 
 
 def new_sync(device: torch.device | str) -> torch.Tensor:
-    """The flags :func:`fused_moe_routed` takes, at zero: the router's count, ready, the routed tiles' count, the
-    down tiles' count, then one per pair (``down``)."""
-    return torch.zeros((4 + SYNC_PAIRS) * SYNC_STRIDE, dtype=torch.int32, device=device)
+    """The flags :func:`fused_moe_routed` takes, at zero."""
+    return torch.zeros(3 * SYNC_STRIDE, dtype=torch.int32, device=device)
 
 
 @triton.jit
 def _route_moe_kernel(x_ptr, rw_ptr, part_ptr, sync_ptr, logits_ptr, weights_ptr, ids_ptr, b_ptr, c_ptr,
-                      w2_ptr, d_ptr, H, N, ROWS, E, R, NT, NT2, stride_rw, stride_be, stride_bn, stride_bk,
-                      stride_w2e, stride_w2n, stride_w2k,
+                      H, N, ROWS, E, R, NT, stride_rw, stride_be, stride_bn, stride_bk,
                       BLOCK_RN: tl.constexpr, BLOCK_RK: tl.constexpr, RK_ITERS: tl.constexpr, BLOCK_S: tl.constexpr,
                       TOPK: tl.constexpr, PIECES: tl.constexpr, BLOCK_KK: tl.constexpr, SOFTMAX: tl.constexpr,
                       RENORM: tl.constexpr, GATED: tl.constexpr, BLOCK_SIZE_M: tl.constexpr,
                       BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, EVEN_K: tl.constexpr,
-                      DOWN: tl.constexpr = False, EVEN_K2: tl.constexpr = True, PDL: tl.constexpr = False):
+                      PDL: tl.constexpr = False):
     READY: tl.constexpr = 32  # SYNC_STRIDE
     FIN: tl.constexpr = 64
-    FIN2: tl.constexpr = 96
-    PAIR0: tl.constexpr = 128  # pair p's flag at PAIR0 + p * SYNC_STRIDE
-    WIDTH: tl.constexpr = TOPK + PIECES
     pid = tl.program_id(0)
     wait_prior(PDL, LET_NEXT=False)
     if pid < R:  # the router's slice pid of the hidden size
@@ -96,7 +84,7 @@ def _route_moe_kernel(x_ptr, rw_ptr, part_ptr, sync_ptr, logits_ptr, weights_ptr
             tl.atomic_xchg(sync_ptr, 0)
             tl.atomic_xchg(sync_ptr + READY, 1, sem="release")
         let_next_start(PDL)
-    elif pid < R + WIDTH * NT:  # a first expert GEMM tile: pieces first, then the routed pairs
+    else:  # an expert GEMM tile: pieces first, then the routed pairs
         u = pid - R
         pid_m = u // NT
         pid_n = u % NT
@@ -131,64 +119,12 @@ def _route_moe_kernel(x_ptr, rw_ptr, part_ptr, sync_ptr, logits_ptr, weights_ptr
                                          (BLOCK_SIZE_M, BLOCK_SIZE_N // 2, 2)))
         store_tile(gate_v / (1.0 + tl.exp(-gate_v)) * up, c_ptr, weights_ptr, offs_token, token_mask, pid_n, N // 2,
                    N // 2, 1, BLOCK_SIZE_N // 2, False)
-        if DOWN:  # this pair's activations: one more tile of them stored
-            tl.debug_barrier()
-            tl.atomic_add(sync_ptr + PAIR0 + pair * 32, 1, sem="release")
-        elif routed:  # the last routed tile resets the flags: every routed tile has read them by then
+        if routed:  # the last routed tile resets the flags: every routed tile has read them by then
             tl.debug_barrier()
             fin = tl.atomic_add(sync_ptr + FIN, 1, sem="acq_rel")
             if fin == TOPK * NT - 1:
                 tl.atomic_xchg(sync_ptr + FIN, 0)
                 tl.atomic_xchg(sync_ptr + READY, 0)
-    else:  # DOWN: a down GEMM tile of pair slot pid_m (pieces first, then routed), once its activations are stored
-        u = pid - R - WIDTH * NT
-        pid_m = u // NT2
-        pid_n = u % NT2
-        routed = pid_m >= PIECES
-        pair = tl.where(routed, pid_m - PIECES, TOPK + pid_m)
-        flag = sync_ptr + PAIR0 + pair * 32
-        done = tl.atomic_add(flag, 0, sem="acquire")
-        while done < NT:
-            done = tl.atomic_add(flag, 0, sem="acquire")
-        expert = tl.where(routed, tl.load(ids_ptr + pair, mask=routed, other=0, cache_modifier=".cg"),
-                          E + pid_m).to(tl.int64)
-        I = N // 2
-        rows = tl.arange(0, BLOCK_SIZE_M)
-        offs_token = tl.where(rows == 0, pair, WIDTH).to(tl.int64)
-        token_mask = rows == 0
-        offs_bn = (pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N).to(tl.int64)) % H
-        offs_k = tl.arange(0, BLOCK_SIZE_K)
-        a_ptrs = c_ptr + offs_token[:, None] * I + offs_k[None, :]
-        b_ptrs = w2_ptr + expert * stride_w2e + (offs_k[:, None] * stride_w2k + offs_bn[None, :] * stride_w2n)
-        acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(I, BLOCK_SIZE_K)):
-            if EVEN_K2:
-                a = tl.load(a_ptrs, mask=token_mask[:, None], other=0.0, cache_modifier=".cg")
-                b = tl.load(b_ptrs)
-            else:
-                k_left = I - k * BLOCK_SIZE_K
-                a = tl.load(a_ptrs, mask=token_mask[:, None] & (offs_k[None, :] < k_left), other=0.0,
-                            cache_modifier=".cg")
-                b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            acc = tl.dot(a, b, acc=acc)
-            a_ptrs += BLOCK_SIZE_K
-            b_ptrs += BLOCK_SIZE_K * stride_w2k
-        let_next_start(PDL)
-        if not routed:  # the pieces' weights (the shared gate) are the routing's: wait for it
-            ready = tl.atomic_add(sync_ptr + READY, 0, sem="acquire")
-            while ready == 0:
-                ready = tl.atomic_add(sync_ptr + READY, 0, sem="acquire")
-        w = tl.load(weights_ptr + offs_token, mask=token_mask, other=0.0, cache_modifier=".cg")
-        offs_cn = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
-        tl.store(d_ptr + offs_token[:, None] * H + offs_cn[None, :], (acc * w[:, None]).to(d_ptr.dtype.element_ty),
-                 mask=token_mask[:, None] & (offs_cn[None, :] < H))
-        tl.debug_barrier()
-        fin = tl.atomic_add(sync_ptr + FIN2, 1, sem="acq_rel")
-        if fin == WIDTH * NT2 - 1:  # the last down tile: every tile has read every flag by now
-            for p in range(WIDTH):
-                tl.atomic_xchg(sync_ptr + PAIR0 + p * 32, 0)
-            tl.atomic_xchg(sync_ptr + FIN2, 0)
-            tl.atomic_xchg(sync_ptr + READY, 0)
 
 
 def unsupported_reason(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor, num_experts: int, top_k: int,
@@ -210,7 +146,7 @@ def unsupported_reason(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tenso
 
 def fused_moe_routed(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_experts: int,
                      top_k: int, method: str, renormalize: bool, pieces: int, gated: bool, config: dict,
-                     sync: torch.Tensor, out: torch.Tensor | None = None, add_norm=None, down: bool = False
+                     sync: torch.Tensor, out: torch.Tensor | None = None, add_norm=None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token's MoE with a fused shared expert, the routing inside the first expert GEMM's grid: ``(output
     [1, H], weights [1, k + P], ids [1, k + P], logits [1, rows])``, the routing as ``topk_route_partials`` of
@@ -219,13 +155,10 @@ def fused_moe_routed(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor,
     ``w13`` ``[E + P, 2I, H]`` with gate/up rows interleaved (``interleave_gate_up``), the last ``P`` experts the
     shared expert's pieces; ``w2`` ``[E + P, H, I]``; ``router_w`` ``[rows, H]`` (the shared expert's gate in row
     ``E`` when ``gated``). ``sync``: :func:`new_sync`'s flags, at zero and left at zero (CUDA graphs replay against
-    them; launches sharing them must not overlap). ``config``: the fused MoE's tile config. ``down``: the down GEMM
-    in the same grid (see the module's docstring), at most :data:`SYNC_PAIRS` pairs."""
+    them; launches sharing them must not overlap). ``config``: the fused MoE's tile config."""
     why = unsupported_reason(x, router_w, w13, num_experts, top_k, method, pieces, gated)
-    if why is None and (sync.dtype != torch.int32 or sync.numel() < (4 + SYNC_PAIRS) * SYNC_STRIDE):
-        why = f"flags of {sync.numel()} {sync.dtype} (new_sync's {(4 + SYNC_PAIRS) * SYNC_STRIDE} int32)"
-    if why is None and down and top_k + pieces > SYNC_PAIRS:
-        why = f"{top_k + pieces} pairs with the down GEMM in the grid (at most {SYNC_PAIRS})"
+    if why is None and (sync.dtype != torch.int32 or sync.numel() < 3 * SYNC_STRIDE):
+        why = f"flags of {sync.numel()} {sync.dtype} (new_sync's {3 * SYNC_STRIDE} int32)"
     if why is not None:
         raise ValueError(f"fused_moe_routed: {why}")
     h = x.shape[1]
@@ -243,22 +176,17 @@ def fused_moe_routed(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor,
     act = torch.empty((width, two_i // 2), dtype=x.dtype, device=dev)
     bn, bk = int(config["BLOCK_SIZE_N"]), int(config["BLOCK_SIZE_K"])
     nt = triton.cdiv(two_i, bn)
-    nt2 = triton.cdiv(h, bn) if down else 0
-    out_rows = torch.empty((width, h), dtype=x.dtype, device=dev)
-    grid = (r + width * (nt + nt2),)
+    grid = (r + width * nt,)
     _route_moe_kernel[grid](
-        x, router_w, parts, sync, logits, weights, ids, w13, act, w2, out_rows, h, two_i, rows, num_experts, r, nt, nt2,
-        router_w.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), w2.stride(0), w2.stride(1), w2.stride(2),
-        BLOCK_RN=block_rn, BLOCK_RK=ROUTER_BLOCK_K,
+        x, router_w, parts, sync, logits, weights, ids, w13, act, h, two_i, rows, num_experts, r, nt,
+        router_w.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), BLOCK_RN=block_rn, BLOCK_RK=ROUTER_BLOCK_K,
         RK_ITERS=rk_iters, BLOCK_S=triton.next_power_of_2(r), TOPK=top_k, PIECES=pieces,
         BLOCK_KK=triton.next_power_of_2(width), SOFTMAX=method == "softmax", RENORM=renormalize, GATED=gated,
-        BLOCK_SIZE_M=PAIRWISE_BLOCK_M, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, EVEN_K=h % bk == 0, DOWN=down,
-        EVEN_K2=(two_i // 2) % bk == 0, num_warps=int(config.get("num_warps", 4)),
-        num_stages=int(config.get("num_stages", 3)), **launch_kwargs(1))
-    if not down:
-        flat_w, flat_ids = weights.reshape(-1), ids.reshape(-1)
-        invoke_fused_moe_kernel(act, w2, out_rows, flat_w, flat_ids, flat_ids, flat_ids, 1, config, pairwise=True,
-                                tokens=1)
+        BLOCK_SIZE_M=PAIRWISE_BLOCK_M, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, EVEN_K=h % bk == 0,
+        num_warps=int(config.get("num_warps", 4)), num_stages=int(config.get("num_stages", 3)), **launch_kwargs(1))
+    flat_w, flat_ids = weights.reshape(-1), ids.reshape(-1)
+    down = torch.empty((width, h), dtype=x.dtype, device=dev)
+    invoke_fused_moe_kernel(act, w2, down, flat_w, flat_ids, flat_ids, flat_ids, 1, config, pairwise=True, tokens=1)
     if out is None:
         out = torch.empty((1, h), dtype=x.dtype, device=dev)
-    return moe_combine(out_rows, width, None, out, add_norm), weights, ids, logits
+    return moe_combine(down, width, None, out, add_norm), weights, ids, logits

@@ -75,10 +75,8 @@ class TritonMoE(MoEBackend):
 
     def takes_routing(self, x: torch.Tensor, layer) -> bool:
         """Whether :meth:`experts_routed` takes this one-token step of ``layer`` (``moe_route_in_grid``)."""
-        from moeserve.ops.moe.routed_moe_triton import SYNC_PAIRS, unsupported_reason
+        from moeserve.ops.moe.routed_moe_triton import unsupported_reason
         c = layer.routing
-        if layer.ops.moe_down_in_grid and c.top_k + layer.fused_shared > SYNC_PAIRS:
-            return False
         return (x.shape[0] == 1 and self.pairwise_max_tokens >= 1 and layer.w13_order == "interleaved"
                 and layer.fuses_shared(1) and layer.fused_rest is None and layer.w13_scale_inv is None
                 and unsupported_reason(x, layer.gate.weight, layer.w13, layer.num_experts, c.top_k, c.method,
@@ -97,5 +95,5 @@ class TritonMoE(MoEBackend):
         c = layer.routing
         out, _, _, _ = fused_moe_routed(x, layer.gate.weight, layer.w13, layer.w2, layer.num_experts, c.top_k, c.method,
                                         c.renormalize, layer.fused_shared, layer.shared_gate_in_router, config, sync,
-                                        add_norm=add_norm, down=layer.ops.moe_down_in_grid)
+                                        add_norm=add_norm)
         return out
