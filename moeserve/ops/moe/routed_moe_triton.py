@@ -17,10 +17,8 @@ The three flags lie on their own 128-byte lines (``SYNC_STRIDE`` words apart: th
 behind the waiting tiles' reads of the ready flag). The routed tiles wait with atomic reads (waiting with volatile
 loads, then one atomic read, was 1.9% slower at c=1 on an H200).
 
-The routed tiles wait only on programs with lower ids, which the GPU dispatches first (CUDA does not promise that
-order; were every slot taken by routed tiles before the router's programs started, they would wait forever). On an
-H200 at c=1: +2.5% against the three kernels (docs/results/2026-12-04-h200-v). The down GEMM and the combine are
-``triton_kernels``'s (the down GEMM in this grid as well, its tiles waiting on per-pair flags, was 6.4% slower).
+The routed tiles wait only on lower program ids, which the GPU dispatches first (an order CUDA does not promise).
++2.5% at c=1 on an H200 (docs/results/2026-12-04-h200-v). The down GEMM and the combine are ``triton_kernels``'s.
 """
 from __future__ import annotations
 
