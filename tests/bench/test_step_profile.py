@@ -100,3 +100,33 @@ def test_layer_phases_measures_each_phase_by_the_ends_of_its_kernels(tmp_path):
     assert "a layer (median) 70.00 us" in out.stdout, out.stdout
     assert "norm 2.00, qkv 10.00, attention 8.00, o_proj 6.00, norm2 2.00, routing 5.00, moe 37.00 us" in out.stdout
     assert "+0.00   25.00" in out.stdout  # the shared expert's GEMV: from routing's end, 25 us
+
+
+def test_layer_phases_reads_a_layer_with_the_norm_and_the_routing_folded_into_their_kernels(tmp_path):
+    """``linear_fuse_norm`` (the input norm inside the QKV GEMV: no norm kernel, its phase 0, the layer from the
+    combine before) and ``moe_route_in_grid`` (no routing kernel: its phase 0, the MoE phase from the norm)."""
+    import gzip
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def layer(t0):  # (name, stream, start, duration, grid)
+        return [("_add_norm_gemv_kernel", 7, t0, 11, (192, 1, 1)),
+                ("qkv_decode_attention_kernel", 7, t0 + 3, 15, (1, 16, 16)),
+                ("_gemv_kernel", 7, t0 + 13, 11, (64, 1, 1)),
+                ("FusedAddRMSNormKernel", 7, t0 + 24, 2, (1, 1, 1)), ("_route_moe_kernel", 7, t0 + 26, 25, (736, 1, 1)),
+                ("fused_moe_kernel", 7, t0 + 49, 12, (512, 1, 1)), ("moe_combine_kernel", 7, t0 + 61, 3, (1, 2, 1))]
+    ks = [("moe_combine_kernel", 7, 7, 3, (1, 2, 1))] + layer(10) + layer(74) + [
+        ("_add_norm_gemv_kernel", 7, 138, 11, (192, 1, 1))]
+    trace = {"traceEvents": [{"ph": "X", "cat": "kernel", "name": n, "ts": s, "dur": d,
+                              "args": {"stream": st, "grid": list(g)}} for n, st, s, d, g in ks]}
+    path = tmp_path / "decode-c1.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(trace, f)
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "scripts/layer_phases.py", str(path)], cwd=repo, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "a layer (median) 64.00 us" in out.stdout, out.stdout
+    assert "norm 0.00, qkv 11.00, attention 7.00, o_proj 6.00, norm2 2.00, routing 0.00, moe 38.00 us" in out.stdout
+    assert "_route_moe_kernel" in out.stdout and "+0.00   25.00" in out.stdout  # from the norm's end
