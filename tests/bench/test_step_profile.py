@@ -1,5 +1,9 @@
 """The step profiler's timeline: what runs on the critical path, what waits, what overlaps (synthetic traces)."""
+import gzip
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,14 +74,23 @@ def test_a_cpu_only_profiler_trace_has_no_kernels(tmp_path):
     assert timeline([], steps=4) == {}
 
 
+def _layer_phases(tmp_path, ks) -> subprocess.CompletedProcess:
+    """``scripts/layer_phases.py`` over a trace of the kernels ``ks`` ``(name, stream, start, duration, grid)``."""
+    trace = {"traceEvents": [{"ph": "X", "cat": "kernel", "name": n, "ts": s, "dur": d,
+                              "args": {"stream": st, "grid": list(g)}} for n, st, s, d, g in ks]}
+    path = tmp_path / "decode-c1.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(trace, f)
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "scripts/layer_phases.py", str(path)], cwd=repo, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out
+
+
 def test_layer_phases_measures_each_phase_by_the_ends_of_its_kernels(tmp_path):
     """``scripts/layer_phases.py`` over a trace of two synthetic one-token layers (Qwen1.5-MoE's kernels and grids,
     the shared expert on a second stream): each phase from the previous phase's end to its last kernel's end."""
-    import gzip
-    import subprocess
-    import sys
-    from pathlib import Path
-
     def layer(t0):  # (name, stream, start, duration, grid)
         return [("FusedAddRMSNormKernel", 7, t0, 2, (1, 1, 1)), ("_gemv_kernel", 7, t0 + 2, 10, (192, 1, 1)),
                 ("qkv_decode_attention_kernel", 7, t0 + 4, 16, (1, 16, 16)),  # PDL: it starts early, ends at +20
@@ -88,15 +101,7 @@ def test_layer_phases_measures_each_phase_by_the_ends_of_its_kernels(tmp_path):
                 ("fused_moe_kernel", 7, t0 + 53, 12, (256, 1, 1)), ("moe_combine_kernel", 7, t0 + 65, 5, (1, 2, 1))]
     ks = layer(0) + layer(70) + [("FusedAddRMSNormKernel", 7, 140, 2, (1, 1, 1)),
                                  ("_gemv_kernel", 7, 142, 10, (192, 1, 1))]
-    trace = {"traceEvents": [{"ph": "X", "cat": "kernel", "name": n, "ts": s, "dur": d,
-                              "args": {"stream": st, "grid": list(g)}} for n, st, s, d, g in ks]}
-    path = tmp_path / "decode-c1.json.gz"
-    with gzip.open(path, "wt") as f:
-        json.dump(trace, f)
-    repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "scripts/layer_phases.py", str(path)], cwd=repo, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = _layer_phases(tmp_path, ks)
     assert "a layer (median) 70.00 us" in out.stdout, out.stdout
     assert "norm 2.00, qkv 10.00, attention 8.00, o_proj 6.00, norm2 2.00, routing 5.00, moe 37.00 us" in out.stdout
     assert "+0.00   25.00" in out.stdout  # the shared expert's GEMV: from routing's end, 25 us
@@ -105,11 +110,6 @@ def test_layer_phases_measures_each_phase_by_the_ends_of_its_kernels(tmp_path):
 def test_layer_phases_reads_a_layer_with_the_norm_and_the_routing_folded_into_their_kernels(tmp_path):
     """``linear_fuse_norm`` (the input norm inside the QKV GEMV: no norm kernel, its phase 0, the layer from the
     combine before) and ``moe_route_in_grid`` (no routing kernel: its phase 0, the MoE phase from the norm)."""
-    import gzip
-    import subprocess
-    import sys
-    from pathlib import Path
-
     def layer(t0):  # (name, stream, start, duration, grid)
         return [("_add_norm_gemv_kernel", 7, t0, 11, (192, 1, 1)),
                 ("qkv_decode_attention_kernel", 7, t0 + 3, 15, (1, 16, 16)),
@@ -118,15 +118,7 @@ def test_layer_phases_reads_a_layer_with_the_norm_and_the_routing_folded_into_th
                 ("fused_moe_kernel", 7, t0 + 49, 12, (512, 1, 1)), ("moe_combine_kernel", 7, t0 + 61, 3, (1, 2, 1))]
     ks = [("moe_combine_kernel", 7, 7, 3, (1, 2, 1))] + layer(10) + layer(74) + [
         ("_add_norm_gemv_kernel", 7, 138, 11, (192, 1, 1))]
-    trace = {"traceEvents": [{"ph": "X", "cat": "kernel", "name": n, "ts": s, "dur": d,
-                              "args": {"stream": st, "grid": list(g)}} for n, st, s, d, g in ks]}
-    path = tmp_path / "decode-c1.json.gz"
-    with gzip.open(path, "wt") as f:
-        json.dump(trace, f)
-    repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "scripts/layer_phases.py", str(path)], cwd=repo, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = _layer_phases(tmp_path, ks)
     assert "a layer (median) 64.00 us" in out.stdout, out.stdout
     assert "norm 0.00, qkv 11.00, attention 7.00, o_proj 6.00, norm2 2.00, routing 0.00, moe 38.00 us" in out.stdout
     assert "_route_moe_kernel" in out.stdout and "+0.00   25.00" in out.stdout  # from the norm's end
