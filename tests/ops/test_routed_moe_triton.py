@@ -5,11 +5,14 @@
 CPU: under Triton's interpreter in one subprocess (which runs the programs one after another, so the routed tiles
 find the routing done). GPU (``-m gpu``): Qwen1.5-MoE's layer with PDL, eagerly and in a CUDA graph replayed with
 fresh inputs. Both require the same logits, weights, ids and output bit for bit, and the flags back at zero.
+GPU, in a subprocess: routed tiles that never see the routing end the launch with an error instead of hanging.
 """
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,5 +134,51 @@ def test_routing_in_the_experts_grid_on_the_gpu_in_a_cuda_graph():
         assert sync.count_nonzero() == 0
 
 
+STUCK_FLAG = "--stuck-worker"
+
+
+def _stuck_worker() -> None:
+    """Once with fresh flags (completes), then with the router's done counter past its last slice, so no program
+    sets the ready flag: exits 3 with the CUDA error's first line if that launch fails, 0 if it completes."""
+    from moeserve.ops.moe.routed_moe_triton import fused_moe_routed, new_sync
+    gen = torch.Generator(device="cuda").manual_seed(SEED)
+    x, router, w13, w2 = make_case(256, 64, 8, 16, 2, 1, False, torch.bfloat16, gen, "cuda")
+    sync = new_sync("cuda")
+    args = (8, 2, "softmax", False, 1, False, CFG, sync)
+    fused_moe_routed(x, router, w13, w2, *args, spin_limit=1 << 12)
+    torch.cuda.synchronize()
+    print("fresh flags: completed", flush=True)
+    sync[0] = 1 << 20
+    try:
+        fused_moe_routed(x, router, w13, w2, *args, spin_limit=1 << 12)
+        torch.cuda.synchronize()
+    except Exception as e:  # torch's CUDA errors (AcceleratorError, a RuntimeError)
+        print("stuck flags: launch failed:", str(e).strip().splitlines()[0], flush=True)
+        sys.exit(3)
+    print("stuck flags: completed", flush=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_routed_tiles_that_never_see_the_routing_fail_the_launch_instead_of_hanging():
+    """The routed tiles' wait is bounded (``spin_limit`` reads of the ready flag, then a trap): with flags on which
+    no program will ever set it, the launch fails with a CUDA error within seconds, where an unbounded wait hangs
+    (the subprocess's timeout). A subprocess, as the trap ends its CUDA context; the same launch on fresh flags
+    completes there first."""
+    env = dict(os.environ, MOESERVE_TEST_SEED=str(SEED), PYTHONPATH=os.pathsep.join(
+        [str(p) for p in (Path(__file__).resolve().parents[2], Path(__file__).resolve().parents[1])]
+        + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    try:
+        proc = subprocess.run([sys.executable, __file__, STUCK_FLAG], env=env, capture_output=True, text=True,
+                              timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"seed {SEED}: the launch on stuck flags hung for 120 s")
+    out = proc.stdout + proc.stderr[-2000:]
+    assert "fresh flags: completed" in proc.stdout, out
+    assert proc.returncode == 3 and "stuck flags: launch failed: CUDA error" in proc.stdout, out
+
+
 if __name__ == "__main__" and is_worker(sys.argv):
     _interpreter_worker(sys.argv[2], sys.argv[3])
+elif __name__ == "__main__" and sys.argv[1:] == [STUCK_FLAG]:
+    _stuck_worker()

@@ -18,7 +18,10 @@ behind the waiting tiles' reads of the ready flag). The routed tiles wait with a
 loads, then one atomic read, was 1.9% slower at c=1 on an H200).
 
 The routed tiles wait only on lower program ids, which the GPU dispatches first (an order CUDA does not promise).
-+2.5% at c=1 on an H200 (docs/results/2026-12-04-h200-v). The down GEMM and the combine are ``triton_kernels``'s.
+Should that ever fail, a routed tile gives up after ``SPIN_LIMIT`` reads of the ready flag (seconds, where the
+routing takes microseconds) and ends the kernel with a trap: the launch fails with a CUDA error instead of hanging
+(``moe_route_in_grid: false`` then runs the three kernels). +2.5% at c=1 on an H200
+(docs/results/2026-12-04-h200-v). The down GEMM and the combine are ``triton_kernels``'s.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from .routing_triton import ROUTER_BLOCK_K, ROUTER_MAX_ROWS, ROUTER_SPLITS, _sel
 from .triton_kernels import PAIRWISE_BLOCK_M, invoke_fused_moe_kernel, store_tile
 
 SYNC_STRIDE = 32  # int32 words between the flags: one 128-byte line each
+SPIN_LIMIT = 1 << 22  # reads of the ready flag before a routed tile ends the kernel (each an L2 round trip)
 
 
 def new_sync(device: torch.device | str) -> torch.Tensor:
@@ -42,8 +46,14 @@ def new_sync(device: torch.device | str) -> torch.Tensor:
 
 
 @triton.jit
+def _abort():
+    """Ends the kernel with an error (PTX ``trap``): its launch, and the CUDA context, fail."""
+    tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _route_moe_kernel(x_ptr, rw_ptr, part_ptr, sync_ptr, logits_ptr, weights_ptr, ids_ptr, b_ptr, c_ptr,
-                      H, N, ROWS, E, R, NT, stride_rw, stride_be, stride_bn, stride_bk,
+                      H, N, ROWS, E, R, NT, spin_limit, stride_rw, stride_be, stride_bn, stride_bk,
                       BLOCK_RN: tl.constexpr, BLOCK_RK: tl.constexpr, RK_ITERS: tl.constexpr, BLOCK_S: tl.constexpr,
                       TOPK: tl.constexpr, PIECES: tl.constexpr, BLOCK_KK: tl.constexpr, SOFTMAX: tl.constexpr,
                       RENORM: tl.constexpr, GATED: tl.constexpr, BLOCK_SIZE_M: tl.constexpr,
@@ -91,7 +101,11 @@ def _route_moe_kernel(x_ptr, rw_ptr, part_ptr, sync_ptr, logits_ptr, weights_ptr
         routed = pid_m >= PIECES
         if routed:
             ready = tl.atomic_add(sync_ptr + READY, 0, sem="acquire")
+            spins = 0
             while ready == 0:
+                spins += 1
+                if spins > spin_limit:  # the routing never came (see the module's docstring): fail, not hang
+                    _abort()
                 ready = tl.atomic_add(sync_ptr + READY, 0, sem="acquire")
         pair = tl.where(routed, pid_m - PIECES, TOPK + pid_m)  # its row of the routing (the pieces after top_k)
         expert = tl.where(routed, tl.load(ids_ptr + pair, mask=routed, other=0), E + pid_m).to(tl.int64)
@@ -146,8 +160,8 @@ def unsupported_reason(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tenso
 
 def fused_moe_routed(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_experts: int,
                      top_k: int, method: str, renormalize: bool, pieces: int, gated: bool, config: dict,
-                     sync: torch.Tensor, out: torch.Tensor | None = None, add_norm=None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     sync: torch.Tensor, out: torch.Tensor | None = None, add_norm=None,
+                     spin_limit: int = SPIN_LIMIT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token's MoE with a fused shared expert, the routing inside the first expert GEMM's grid: ``(output
     [1, H], weights [1, k + P], ids [1, k + P], logits [1, rows])``, the routing as ``topk_route_partials`` of
     ``router_partials`` writes it, the output as ``triton_kernels.fused_moe`` computes it from that routing.
@@ -155,7 +169,8 @@ def fused_moe_routed(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor,
     ``w13`` ``[E + P, 2I, H]`` with gate/up rows interleaved (``interleave_gate_up``), the last ``P`` experts the
     shared expert's pieces; ``w2`` ``[E + P, H, I]``; ``router_w`` ``[rows, H]`` (the shared expert's gate in row
     ``E`` when ``gated``). ``sync``: :func:`new_sync`'s flags, at zero and left at zero (CUDA graphs replay against
-    them; launches sharing them must not overlap). ``config``: the fused MoE's tile config."""
+    them; launches sharing them must not overlap). ``config``: the fused MoE's tile config. ``spin_limit``: the
+    routed tiles' reads of the ready flag before they end the kernel with an error."""
     why = unsupported_reason(x, router_w, w13, num_experts, top_k, method, pieces, gated)
     if why is None and (sync.dtype != torch.int32 or sync.numel() < 3 * SYNC_STRIDE):
         why = f"flags of {sync.numel()} {sync.dtype} (new_sync's {3 * SYNC_STRIDE} int32)"
@@ -163,7 +178,7 @@ def fused_moe_routed(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor,
         raise ValueError(f"fused_moe_routed: {why}")
     h = x.shape[1]
     rows = router_w.shape[0]
-    e_all, two_i, _ = w13.shape
+    two_i = w13.shape[1]
     dev = x.device
     block_rn = max(16, triton.next_power_of_2(rows))
     rk_iters = max(1, triton.cdiv(h, ROUTER_BLOCK_K * ROUTER_SPLITS))
@@ -178,7 +193,7 @@ def fused_moe_routed(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor,
     nt = triton.cdiv(two_i, bn)
     grid = (r + width * nt,)
     _route_moe_kernel[grid](
-        x, router_w, parts, sync, logits, weights, ids, w13, act, h, two_i, rows, num_experts, r, nt,
+        x, router_w, parts, sync, logits, weights, ids, w13, act, h, two_i, rows, num_experts, r, nt, spin_limit,
         router_w.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), BLOCK_RN=block_rn, BLOCK_RK=ROUTER_BLOCK_K,
         RK_ITERS=rk_iters, BLOCK_S=triton.next_power_of_2(r), TOPK=top_k, PIECES=pieces,
         BLOCK_KK=triton.next_power_of_2(width), SOFTMAX=method == "softmax", RENORM=renormalize, GATED=gated,
