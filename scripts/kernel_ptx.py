@@ -43,19 +43,21 @@ def dump(args) -> int:
     n = 0
     try:
         with tempfile.TemporaryDirectory() as scratch, triton_aot.tuned_tables_for(device_name), \
-                triton_aot.compile_session(Path(scratch), arch.capability, triton_key()) as events:
+                triton_aot.compile_session(Path(scratch), arch.capability, triton_key()):
+            launches = {}  # hash -> the launch: name, signature, constants, specialization attributes
+
+            def record(*, src, metadata, **kw):
+                launches[metadata["hash"]] = json.dumps(
+                    [src.name, {str(k): str(v) for k, v in src.signature.items()},
+                     {str(k): str(v) for k, v in src.constants.items()}, str(getattr(src, "attrs", "")),
+                     {k: metadata.get(k) for k in ("num_warps", "num_stages", "launch_pdl")}], sort_keys=True)
+                inner(src=src, metadata=metadata, **kw)
+            inner, knobs.compilation.listener = knobs.compilation.listener, record
             triton_aot.launch_every_kernel(plan)
-            seen = set()
-            for e in events:
-                if e["hash"] in seen:
-                    continue
-                seen.add(e["hash"])
-                d = Path(scratch) / _base32(e["hash"])
+            for h, launch in launches.items():
+                d = Path(scratch) / _base32(h)
                 ptx = next(p for p in d.glob("*.ptx"))
-                meta = json.loads((d / (ptx.stem + ".json")).read_text())
-                launch = json.dumps([e["constants"], {k: meta.get(k) for k in ("num_warps", "num_stages",
-                                                                                 "launch_pdl")}], sort_keys=True)
-                name = f"{e['name'][:80]}-{hashlib.sha256(launch.encode()).hexdigest()[:16]}.ptx"
+                name = f"{ptx.stem[:80]}-{hashlib.sha256(launch.encode()).hexdigest()[:16]}.ptx"
                 (out / name).write_text(ptx.read_text())
                 n += 1
     finally:

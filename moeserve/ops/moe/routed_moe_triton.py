@@ -34,7 +34,7 @@ from moeserve.ops.pdl_triton import let_next_start, wait_prior
 
 from .combine import moe_combine
 from .routing_triton import ROUTER_BLOCK_K, ROUTER_MAX_ROWS, ROUTER_SPLITS, _select, unsupported
-from .triton_kernels import PAIRWISE_BLOCK_M, invoke_fused_moe_kernel, store_tile
+from .triton_kernels import PAIRWISE_BLOCK_M, invoke_fused_moe_kernel, store_swiglu_tile, tile_dot
 
 SYNC_STRIDE = 32  # int32 words between the flags: one 128-byte line each
 SPIN_LIMIT = 1 << 22  # reads of the ready flag before a routed tile ends the kernel (each an L2 round trip)
@@ -116,23 +116,11 @@ def _route_moe_kernel(x_ptr, rw_ptr, part_ptr, sync_ptr, logits_ptr, weights_ptr
         offs_k = tl.arange(0, BLOCK_SIZE_K)
         a_ptrs = x_ptr + rows[:, None] * 0 + offs_k[None, :]
         b_ptrs = b_ptr + expert * stride_be + (offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn)
-        acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=token_mask[:, None], other=0.0)
-                b = tl.load(b_ptrs)
-            else:
-                k_left = H - k * BLOCK_SIZE_K
-                a = tl.load(a_ptrs, mask=token_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
-                b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            acc = tl.dot(a, b, acc=acc)
-            a_ptrs += BLOCK_SIZE_K
-            b_ptrs += BLOCK_SIZE_K * stride_bk
+        acc = tile_dot(a_ptrs, b_ptrs, token_mask, offs_k, H, 1, stride_bk, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K,
+                       EVEN_K, False, "")
         let_next_start(PDL)
-        gate_v, up = tl.split(tl.reshape(acc.to(c_ptr.dtype.element_ty).to(tl.float32),
-                                         (BLOCK_SIZE_M, BLOCK_SIZE_N // 2, 2)))
-        store_tile(gate_v / (1.0 + tl.exp(-gate_v)) * up, c_ptr, weights_ptr, offs_token, token_mask, pid_n, N // 2,
-                   N // 2, 1, BLOCK_SIZE_N // 2, False)
+        store_swiglu_tile(acc, c_ptr, weights_ptr, offs_token, token_mask, pid_n, N, N // 2, 1, BLOCK_SIZE_M,
+                          BLOCK_SIZE_N, False)
         if routed:  # the last routed tile resets the flags: every routed tile has read them by then
             tl.debug_barrier()
             fin = tl.atomic_add(sync_ptr + FIN, 1, sem="acq_rel")

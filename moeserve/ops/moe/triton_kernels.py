@@ -284,6 +284,44 @@ def store_tile(acc, c_ptr, topk_weights_ptr, offs_token, token_mask, pid_n, N, s
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=token_mask[:, None] & (offs_cn[None, :] < N))
 
 
+@triton.jit
+def tile_dot(a_ptrs, b_ptrs, token_mask, offs_k, K, stride_ak, stride_bk, BLOCK_SIZE_M: tl.constexpr,
+             BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE_FP32: tl.constexpr,
+             A_CACHE: tl.constexpr):
+    """The main loop of an expert GEMM tile: ``A[rows, :K] @ B[expert, :K, cols]`` in float32, ``A``'s rows
+    masked by ``token_mask``, ``A`` read with the cache modifier ``A_CACHE`` (``""``: the default)."""
+    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
+        if EVEN_K:
+            a_mask = token_mask[:, None]
+        else:
+            a_mask = token_mask[:, None] & (offs_k[None, :] < K - k * BLOCK_SIZE_K)
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0, cache_modifier=A_CACHE)
+        if EVEN_K:
+            b = tl.load(b_ptrs)
+        else:
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k * BLOCK_SIZE_K, other=0.0)
+        if IEEE_FP32:
+            acc = tl.dot(a, b, acc=acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc=acc)
+        a_ptrs += BLOCK_SIZE_K * stride_ak
+        b_ptrs += BLOCK_SIZE_K * stride_bk
+    return acc
+
+
+@triton.jit
+def store_swiglu_tile(acc, c_ptr, topk_weights_ptr, offs_token, token_mask, pid_n, N, stride_cm, stride_cn,
+                      BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr):
+    """A tile over ``N`` interleaved gate/up columns stored as ``silu(gate) * up`` in a half-width tile of a ``C``
+    with ``N // 2`` columns (each rounded to ``C``'s dtype first, as a separate activation kernel would read
+    them)."""
+    gate, up = tl.split(tl.reshape(acc.to(c_ptr.dtype.element_ty).to(tl.float32),
+                                   (BLOCK_SIZE_M, BLOCK_SIZE_N // 2, 2)))
+    store_tile(gate / (1.0 + tl.exp(-gate)) * up, c_ptr, topk_weights_ptr, offs_token, token_mask, pid_n, N // 2,
+               stride_cm, stride_cn, BLOCK_SIZE_N // 2, MUL_ROUTED_WEIGHT)
+
+
 @triton.jit(do_not_specialize=["EM", "num_valid_tokens", "top_k"])
 def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
                      num_tokens_post_padded_ptr, N, K, EM, num_valid_tokens, top_k,
@@ -341,36 +379,20 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
     a_ptrs = a_ptr + (offs_token[:, None] // top_k * stride_am + offs_k[None, :] * stride_ak)
     b_ptrs = b_ptr + off_expert * stride_be + (offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn)
 
-    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
-        if EVEN_K:
-            a_mask = token_mask[:, None]
-        else:
-            a_mask = token_mask[:, None] & (offs_k[None, :] < K - k * BLOCK_SIZE_K)
-        if EARLY > 0:  # read before any wait: from L2, where the kernel that wrote it left it
-            a = tl.load(a_ptrs, mask=a_mask, other=0.0, cache_modifier=".cg")
-        else:
-            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        if EVEN_K:
-            b = tl.load(b_ptrs)
-        else:
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k * BLOCK_SIZE_K, other=0.0)
-        if IEEE_FP32:
-            acc = tl.dot(a, b, acc=acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc=acc)
-        a_ptrs += BLOCK_SIZE_K * stride_ak
-        b_ptrs += BLOCK_SIZE_K * stride_bk
+    if EARLY > 0:  # read before any wait: from L2, where the kernel that wrote it left it
+        acc = tile_dot(a_ptrs, b_ptrs, token_mask, offs_k, K, stride_ak, stride_bk, BLOCK_SIZE_M, BLOCK_SIZE_N,
+                       BLOCK_SIZE_K, EVEN_K, IEEE_FP32, ".cg")
+    else:
+        acc = tile_dot(a_ptrs, b_ptrs, token_mask, offs_k, K, stride_ak, stride_bk, BLOCK_SIZE_M, BLOCK_SIZE_N,
+                       BLOCK_SIZE_K, EVEN_K, IEEE_FP32, "")
     if EARLY > 0:
         if pid_m < EARLY:
             wait_prior(PDL, LET_NEXT=False)
     let_next_start(PDL)
 
     if SILU_MUL:
-        gate, up = tl.split(tl.reshape(acc.to(c_ptr.dtype.element_ty).to(tl.float32),
-                                       (BLOCK_SIZE_M, BLOCK_SIZE_N // 2, 2)))
-        store_tile(gate / (1.0 + tl.exp(-gate)) * up, c_ptr, topk_weights_ptr, offs_token, token_mask, pid_n, N // 2,
-                   stride_cm, stride_cn, BLOCK_SIZE_N // 2, MUL_ROUTED_WEIGHT)
+        store_swiglu_tile(acc, c_ptr, topk_weights_ptr, offs_token, token_mask, pid_n, N, stride_cm, stride_cn,
+                          BLOCK_SIZE_M, BLOCK_SIZE_N, MUL_ROUTED_WEIGHT)
     else:
         store_tile(acc, c_ptr, topk_weights_ptr, offs_token, token_mask, pid_n, N, stride_cm, stride_cn, BLOCK_SIZE_N,
                    MUL_ROUTED_WEIGHT)
