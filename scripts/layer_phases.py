@@ -24,25 +24,28 @@ PHASES = ["norm", "qkv", "attention", "o_proj", "norm2", "routing", "moe"]
 
 def layer_phases(ks: list) -> tuple[dict, dict]:
     end = lambda k: k[2] + k[3]  # noqa: E731
-    # the QKV GEMV; with linear_fuse_norm the input norm is inside it (its phase is then 0, from the combine before)
+    # the QKV GEMV; with linear_fuse_norm the input norm is inside it (its phase is then 0, from the combine before;
+    # the first layer, with no residual yet, keeps its norm)
     qkv = [i for i, k in enumerate(ks) if k[0] in ("_gemv_kernel", "_add_norm_gemv_kernel") and k[4] == "[192, 1, 1]"]
-    folded = bool(qkv) and ks[qkv[0]][0] == "_add_norm_gemv_kernel"
+    folded = lambda i: ks[i][0] == "_add_norm_gemv_kernel"  # noqa: E731
+    # a layer starts where its norm starts, or where the combine before its QKV GEMV ends when that holds the norm
+    start_of = lambda i: end(ks[i - 1]) if folded(i) else ks[i - 1][2]  # noqa: E731
     phases, moe = defaultdict(list), defaultdict(list)
     for i, nxt in zip(qkv, qkv[1:]):
         if nxt - i > 20:  # the last layer of a step: the LM head and sampling follow
             continue
-        seg = ks[i - 1: nxt if folded else nxt - 1]  # from the norm (folded: the combine) before the QKV GEMV
+        seg = ks[i - 1: nxt if folded(nxt) else nxt - 1]  # from the norm (folded: the combine) before the QKV GEMV
         attn = next(k for k in seg if k[0].startswith("qkv_decode"))
         o = next(k for k in seg if k[0] == "_gemv_kernel" and k[4] == "[64, 1, 1]")
-        n2 = next(k for k in seg if "FusedAddRMSNorm" in k[0] and k[2] > o[2])
+        n2 = next((k for k in seg if "FusedAddRMSNorm" in k[0] and k[2] > o[2]),
+                  o)  # none with router_fuse_norm in the routed grid (a branch's): its phase is then 0
         topk = next((k for k in seg if k[0].startswith(("_topk_route", "_router_topk"))),  # (the latter: a branch's)
                     n2)  # none with moe_route_in_grid: the routing runs in the MoE's first grid, its phase is 0
         comb = next(k for k in seg[1:] if k[0] == "moe_combine_kernel")
-        start = end(seg[0]) if folded else seg[0][2]
-        t = [start, end(seg[0]), end(seg[1]), end(attn), end(o), end(n2), end(topk), end(comb)]
+        t = [start_of(i), end(seg[0]), end(seg[1]), end(attn), end(o), end(n2), end(topk), end(comb)]
         for name, a, b in zip(PHASES, t, t[1:]):
             phases[name].append(b - a)
-        phases["layer"].append(end(ks[nxt - 1]) - end(seg[0]) if folded else ks[nxt - 1][2] - seg[0][2])
+        phases["layer"].append(start_of(nxt) - start_of(i))
         for k in seg[seg.index(topk) + 1: seg.index(comb) + 1]:
             moe[(k[0][:40], k[4])].append((k[2] - end(topk), end(k) - end(topk)))
     med = statistics.median

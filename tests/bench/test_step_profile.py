@@ -122,3 +122,24 @@ def test_layer_phases_reads_a_layer_with_the_norm_and_the_routing_folded_into_th
     assert "a layer (median) 64.00 us" in out.stdout, out.stdout
     assert "norm 0.00, qkv 11.00, attention 7.00, o_proj 6.00, norm2 2.00, routing 0.00, moe 38.00 us" in out.stdout
     assert "_route_moe_kernel" in out.stdout and "+0.00   25.00" in out.stdout  # from the norm's end
+
+
+def test_layer_phases_reads_layers_whose_norms_are_both_inside_their_kernels_after_a_first_that_keeps_its_own(
+        tmp_path):
+    """``linear_fuse_norm`` with the post-attention norm inside the routed grid (``router_fuse_norm`` with
+    ``moe_route_in_grid``, a branch's): no norm kernel in a layer, both norm phases 0; the first layer, with no
+    residual yet, keeps its input norm and a plain QKV GEMV, and counts from that norm's start."""
+    def layer(t0, first=False):  # (name, stream, start, duration, grid)
+        qkv = ([("RMSNormKernel", 7, t0 - 2, 2, (1, 1, 1)), ("_gemv_kernel", 7, t0, 11, (192, 1, 1))] if first
+               else [("_add_norm_gemv_kernel", 7, t0, 11, (192, 1, 1))])
+        return qkv + [("qkv_decode_attention_kernel", 7, t0 + 3, 15, (1, 16, 16)),
+                      ("_gemv_kernel", 7, t0 + 13, 11, (64, 1, 1)),
+                      ("_route_moe_kernel", 7, t0 + 22, 27, (736, 1, 1)),
+                      ("fused_moe_kernel", 7, t0 + 47, 12, (512, 1, 1)),
+                      ("moe_combine_kernel", 7, t0 + 59, 3, (1, 2, 1))]
+    ks = layer(2, first=True) + layer(64) + layer(126) + layer(188) + [
+        ("_add_norm_gemv_kernel", 7, 250, 11, (192, 1, 1))]
+    out = _layer_phases(tmp_path, ks)
+    assert "a layer (median) 62.00 us" in out.stdout, out.stdout
+    assert "norm 0.00, qkv 11.00, attention 7.00, o_proj 6.00, norm2 0.00, routing 0.00, moe 38.00 us" in out.stdout
+    assert "-2.00   25.00" in out.stdout  # the routed grid, from the output projection's end
