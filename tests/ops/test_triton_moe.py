@@ -773,7 +773,7 @@ def test_combine_with_the_next_norm_matches_combine_then_flashinfer_norm(T):
     ref_res = residual.clone()
     flashinfer.norm.fused_add_rmsnorm(plain, ref_res, weight, NORM_EPS)  # plain becomes the norm, in place
     torch.cuda.synchronize()
-    torch.testing.assert_close(res, ref_res, rtol=0, atol=0)
+    torch.testing.assert_close(res, ref_res, rtol=0, atol=0, msg=lambda m: f"seed {SEED}: the residual: {m}")
     err = float((y.float() - plain.float()).abs().max() / plain.float().abs().max())
     assert err < 1e-2, f"seed {SEED}: max error {err:.3g} of the largest value"
 
