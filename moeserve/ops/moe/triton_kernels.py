@@ -353,13 +353,13 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
     if EARLY == 0:
         wait_prior(PDL, LET_NEXT=False)
     if EARLY > 0:  # tiles 0 .. EARLY - 1: the fixed pairs (the last EARLY); then the routed pairs in order
-        if pid_m >= EARLY:
-            wait_prior(PDL, LET_NEXT=False)
         early = pid_m < EARLY
+        if not early:
+            wait_prior(PDL, LET_NEXT=False)
         pair = tl.where(early, num_valid_tokens - EARLY + pid_m, pid_m - EARLY)
         offs_token = tl.where(tl.arange(0, BLOCK_SIZE_M) == 0, pair, num_valid_tokens).to(tl.int64)
         token_mask = offs_token < num_valid_tokens
-        routed = tl.load(expert_ids_ptr + pair, mask=pid_m >= EARLY, other=0)
+        routed = tl.load(expert_ids_ptr + pair, mask=not early, other=0)
         off_expert = tl.where(early, EARLY_EXPERT + pid_m, routed).to(tl.int64)
     elif PAIRWISE and ROUTE_K > 0:
         offs_token, off_expert, owner = expert_tile_rows(expert_ids_ptr, pid_m, num_valid_tokens, BLOCK_SIZE_M,
@@ -386,7 +386,7 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
         acc = tile_dot(a_ptrs, b_ptrs, token_mask, offs_k, K, stride_ak, stride_bk, BLOCK_SIZE_M, BLOCK_SIZE_N,
                        BLOCK_SIZE_K, EVEN_K, IEEE_FP32, "")
     if EARLY > 0:
-        if pid_m < EARLY:
+        if early:
             wait_prior(PDL, LET_NEXT=False)
     let_next_start(PDL)
 
