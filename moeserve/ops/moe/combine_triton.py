@@ -32,7 +32,7 @@ def _combined(down_ptr, shared_ptr, gate_ptr, t, cols, mask, stride_down, stride
         s = tl.load(shared_ptr + t * stride_shared + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_GATE:
             g = tl.load(gate_ptr + t * stride_gate).to(tl.float32)
-            s = s / (1.0 + tl.exp(-g))
+            s = tl.div_rn(s, 1.0 + tl.exp(-g))  # correctly rounded: no kernel fuses it into the add after it
         acc += s
     return acc
 
