@@ -4,10 +4,11 @@ trees' outputs compared tell whether a change to the kernels' source changes the
     python scripts/kernel_ptx.py --config moeserve/presets/bench-gpu.yaml --arch 9.0a --out DIR [--set K=V ...]
     python scripts/kernel_ptx.py --compare DIR_A DIR_B
 
-Each kernel is written as ``DIR/NAME-CONSTANTS_HASH.ptx`` (the kernel's name and its constexprs, warps and
-stages: the same file name in two trees is the same launch); ``--compare`` lists the files that differ or are
-only in one. Run it with a tree on ``PYTHONPATH`` (``PYTHONPATH=TREE python TREE/scripts/kernel_ptx.py``). It
-compiles in a scratch cache, like ``moeserve precompile`` without its FlashInfer modules.
+Each kernel is written as ``DIR/NAME-LAUNCH_HASH.ptx`` (the hash of its signature, constexprs, specialization,
+warps and stages: the same file name in two trees is the same launch); ``--compare`` lists the files that differ
+or are only in one, and exits 1 if any do. It compiles the kernels of the ``moeserve`` it imports (another
+tree's: ``PYTHONPATH=TREE python scripts/kernel_ptx.py ...``), in a scratch cache, as
+``moeserve precompile`` does without its FlashInfer modules.
 """
 from __future__ import annotations
 
@@ -89,6 +90,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.compare:
         return compare(Path(args.compare[0]), Path(args.compare[1]))
+    if not args.out:
+        p.error("--out DIR is needed (or --compare DIR_A DIR_B)")
     return dump(args)
 
 
