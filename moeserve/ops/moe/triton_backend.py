@@ -62,16 +62,20 @@ class TritonMoE(MoEBackend):
                                           topk_weights, topk_ids, shared=shared, masked_ids=masked)
             return out if add_norm is None else add_norm.apply(out)  # (SparseMoE does not ask for FP8 experts)
         config, early = None, 0
-        if layer.fused_shared:  # the tile table of the routed experts (E, top-k) serves the extended ones
-            e, two_i, h = layer.w13.shape
-            config = self._configs.get_config(x.shape[0], e - layer.fused_shared, two_i // 2, h, layer.top_k,
-                                              x.dtype)[0] if x.shape[0] else None
+        if layer.fused_shared:
+            config = self._routed_config(layer, x.shape[0], x.dtype) if x.shape[0] else None
             if layer.ops.moe_fused_shared_early and layer.fuses_shared(x.shape[0]):  # its pieces: the ids' tail
                 early = layer.fused_shared
         return self._kernels.fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, config=config, shared=shared,
                                        masked_ids=masked, pairwise_max_tokens=self.pairwise_max_tokens,
                                        interleaved=layer.w13_order == "interleaved", add_norm=add_norm,
                                        fixed_tail=early)
+
+    def _routed_config(self, layer, tokens: int, dtype: torch.dtype) -> dict:
+        """The tile config of ``layer``'s experts for ``tokens``: the routed experts' table (E without a fused shared
+        expert's pieces, top-k), which serves the experts extended by those pieces too."""
+        e, two_i, h = layer.w13.shape
+        return self._configs.get_config(tokens, e - layer.fused_shared, two_i // 2, h, layer.top_k, dtype)[0]
 
     def takes_routing(self, x: torch.Tensor, layer) -> bool:
         """Whether :meth:`experts_routed` takes this one-token step of ``layer`` (``moe_route_in_grid``)."""
@@ -87,8 +91,7 @@ class TritonMoE(MoEBackend):
         """A one-token step's routing and experts (``takes_routing``), the routing inside the first expert GEMM's
         grid (``routed_moe_triton.fused_moe_routed``)."""
         from moeserve.ops.moe.routed_moe_triton import fused_moe_routed, new_sync
-        e, two_i, h = layer.w13.shape
-        config = self._configs.get_config(1, e - layer.fused_shared, two_i // 2, h, layer.top_k, x.dtype)[0]
+        config = self._routed_config(layer, 1, x.dtype)
         sync = self._sync.get(x.device)
         if sync is None:
             sync = self._sync[x.device] = new_sync(x.device)
