@@ -23,7 +23,6 @@ from pathlib import Path
 
 def dump(args) -> int:
     os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
-    from triton import knobs
     from triton.runtime.cache import _base32, triton_key
 
     from moeserve.args import config_from_args
@@ -37,32 +36,19 @@ def dump(args) -> int:
     device_name = triton_aot.DEFAULT_DEVICE_NAMES[arch.capability]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    # compile_session keeps only the binaries; the PTX is wanted here
-    comp = type(knobs.compilation)
-    saved = comp.__dict__["store_binary_only"]
-    comp.store_binary_only = property(lambda self: False, lambda self, value: None)
     n = 0
-    try:
-        with tempfile.TemporaryDirectory() as scratch, triton_aot.tuned_tables_for(device_name), \
-                triton_aot.compile_session(Path(scratch), arch.capability, triton_key()):
-            launches = {}  # hash -> the launch: name, signature, constants, specialization attributes
-
-            def record(*, src, metadata, **kw):
-                launches[metadata["hash"]] = json.dumps(
-                    [src.name, {str(k): str(v) for k, v in src.signature.items()},
-                     {str(k): str(v) for k, v in src.constants.items()}, str(getattr(src, "attrs", "")),
-                     {k: metadata.get(k) for k in ("num_warps", "num_stages", "launch_pdl")}], sort_keys=True)
-                inner(src=src, metadata=metadata, **kw)
-            inner, knobs.compilation.listener = knobs.compilation.listener, record
-            triton_aot.launch_every_kernel(plan)
-            for h, launch in launches.items():
-                d = Path(scratch) / _base32(h)
-                ptx = next(p for p in d.glob("*.ptx"))
-                name = f"{ptx.stem[:80]}-{hashlib.sha256(launch.encode()).hexdigest()[:16]}.ptx"
-                (out / name).write_text(ptx.read_text())
-                n += 1
-    finally:
-        comp.store_binary_only = saved
+    with tempfile.TemporaryDirectory() as scratch, triton_aot.tuned_tables_for(device_name), \
+            triton_aot.compile_session(Path(scratch), arch.capability, triton_key(), binary_only=False) as events:
+        triton_aot.launch_every_kernel(plan)
+        for e in {e["hash"]: e for e in events}.values():
+            d = Path(scratch) / _base32(e["hash"])
+            ptx = next(d.glob("*.ptx"))
+            meta = json.loads((d / (ptx.stem + ".json")).read_text())
+            launch = json.dumps([e["name"], e["signature"], e["constants"], e["attrs"],
+                                 {k: meta.get(k) for k in ("num_warps", "num_stages", "launch_pdl")}], sort_keys=True)
+            name = f"{ptx.stem[:80]}-{hashlib.sha256(launch.encode()).hexdigest()[:16]}.ptx"
+            (out / name).write_text(ptx.read_text())
+            n += 1
     print(f"{n} kernels' PTX -> {out}")
     return 0
 

@@ -135,10 +135,12 @@ def launcher_source(src, metadata: dict) -> str | None:
 
 
 @contextlib.contextmanager
-def compile_session(cache_dir: Path, capability: tuple[int, int], triton_key: str, dry_run: bool = False):
+def compile_session(cache_dir: Path, capability: tuple[int, int], triton_key: str, dry_run: bool = False,
+                    binary_only: bool = True):
     """Inside: Triton compiles for ``capability`` into ``cache_dir`` under ``triton_key``, and every kernel
     launch only compiles (with ``dry_run``, only records itself in ``_LISTED``). Yields the list of compile
-    events (name, hash, cache_hit)."""
+    events (name, hash, cache_hit, constants, launcher source, and the launch's signature and specialization).
+    ``binary_only``: the cache keeps what a launch reads (not the intermediate IR and PTX)."""
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.runtime import cache as tcache
@@ -150,13 +152,15 @@ def compile_session(cache_dir: Path, capability: tuple[int, int], triton_key: st
     def listener(*, src, metadata, metadata_group, times, cache_hit):
         events.append({"name": getattr(src, "name", "?"), "hash": metadata["hash"], "cache_hit": cache_hit,
                        "constants": {str(k): str(v) for k, v in getattr(src, "constants", {}).items()},
-                       "launcher": launcher_source(src, metadata)})
+                       "launcher": launcher_source(src, metadata),
+                       "signature": {str(k): str(v) for k, v in getattr(src, "signature", {}).items()},
+                       "attrs": str(getattr(src, "attrs", ""))})
 
     saved = (tcache.triton_key, driver._active, knobs.compilation.store_binary_only, knobs.compilation.listener,
              KernelInterface.__getitem__)
     cache_dir.mkdir(parents=True, exist_ok=True)
     knobs.cache.dir = str(cache_dir)
-    knobs.compilation.store_binary_only = True  # .cubin/.json and the group file: what a launch reads
+    knobs.compilation.store_binary_only = binary_only  # .cubin/.json and the group file: what a launch reads
     knobs.compilation.listener = listener
     driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", capability[0] * 10 + capability[1], 32)))
     tcache.triton_key = lambda: triton_key
