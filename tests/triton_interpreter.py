@@ -30,13 +30,18 @@ def patch_for_numpy():
     interp._patch_lang_tensor = patched
 
 
+def worker_env(**extra: str) -> dict:
+    """The environment of a test module run as a subprocess: this checkout and ``tests/`` first on its path."""
+    return dict(os.environ, **extra,
+                PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+
+
 def run_worker(test_file: str, inputs, workdir: Path, seed: int, timeout: float = 600):
     """Save ``inputs`` in ``workdir``, run ``test_file``'s worker on them under the interpreter, and return
     what it saved; a failing worker fails the calling test with its output and ``seed``."""
     src, dst = workdir / "in.pt", workdir / "out.pt"
     torch.save(inputs, src)
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    env = worker_env(TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, test_file, WORKER_FLAG, str(src), str(dst)], env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"interpreter worker failed (seed {seed}):\n{proc.stdout}\n{proc.stderr[-4000:]}"

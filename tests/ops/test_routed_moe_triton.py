@@ -12,14 +12,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from triton_interpreter import is_worker, patch_for_numpy, run_worker  # noqa: E402
+from triton_interpreter import is_worker, patch_for_numpy, run_worker, worker_env  # noqa: E402
 
 SEED = int(os.environ.get("MOESERVE_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
 CFG = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
@@ -165,9 +164,7 @@ def test_routed_tiles_that_never_see_the_routing_fail_the_launch_instead_of_hang
     no program will ever set it, the launch fails with a CUDA error within seconds, where an unbounded wait hangs
     (the subprocess's timeout). A subprocess, as the trap ends its CUDA context; the same launch on fresh flags
     completes there first."""
-    env = dict(os.environ, MOESERVE_TEST_SEED=str(SEED), PYTHONPATH=os.pathsep.join(
-        [str(p) for p in (Path(__file__).resolve().parents[2], Path(__file__).resolve().parents[1])]
-        + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    env = worker_env(MOESERVE_TEST_SEED=str(SEED))
     try:
         proc = subprocess.run([sys.executable, __file__, STUCK_FLAG], env=env, capture_output=True, text=True,
                               timeout=120)
