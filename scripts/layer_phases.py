@@ -11,6 +11,7 @@ launched with programmatic dependent launch start before their predecessor ends,
 """
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import statistics
@@ -53,9 +54,15 @@ def layer_phases(ks: list) -> tuple[dict, dict]:
             {k: (med(a for a, _ in v), med(b for _, b in v), len(v)) for k, v in moe.items()})
 
 
-def main(paths: list[str]) -> int:
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python scripts/layer_phases.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("traces", nargs="+", help="step_profile's decode-c1.json.gz traces")
+    paths = p.parse_args(argv).traces
     for path in paths:
-        ks = kernels_from_trace(json.load(gzip.open(path)))
+        try:
+            ks = kernels_from_trace(json.load(gzip.open(path)))
+        except (OSError, ValueError) as e:
+            p.error(f"{path}: not a readable gzipped trace ({e})")
         phases, moe = layer_phases(ks)
         print(f"{path}: {len(ks)} kernels; a layer (median) {phases.pop('layer'):.2f} us:")
         print("   " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()) + " us")
