@@ -133,25 +133,29 @@ def _attend_new(q1, q2, qr, src, cos, sin, k_norm_ptr, eps, cache_ptr, kv_indice
 
 
 @triton.jit
-def _attend_split(q1, q2, qr, src, cos, sin, k_norm_ptr, eps, cache_ptr, kv_indices_ptr, first_page, kv_pos, start,
-                  end, h, stride_page, stride_kv, stride_slot, stride_head, scale_log2, HQ: tl.constexpr,
-                  HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, PAGE: tl.constexpr, G_PAD: tl.constexpr,
-                  D_PAD: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, QK_NORM: tl.constexpr,
-                  BLOCK: tl.constexpr, CACHE: tl.constexpr):
+def _attend_split(q1, q2, qr, k1, k2, kr, v, nm, src, cos, sin, k_norm_ptr, eps, cache_ptr, kv_indices_ptr,
+                  first_page, kv_pos, start, stop, end, h, stride_page, stride_kv, stride_slot, stride_head, scale_log2,
+                  HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, PAGE: tl.constexpr,
+                  G_PAD: tl.constexpr, D_PAD: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
+                  QK_NORM: tl.constexpr, BLOCK: tl.constexpr, CACHE: tl.constexpr):
     """``(running max, sum, unnormalised output)`` float32 of the queries of kv head ``h`` (``q1, q2, qr``: their
     rotated halves and unrotated rest, ``[G_PAD, *]`` in the cache dtype) over positions ``[start, end)`` of one
-    request whose pages are ``kv_indices[first_page:]``: the cached keys from the cache, and the newest (position
-    ``kv_pos``, when the range holds it) from the QKV row ``src``, normed and rotated, written into its cache slot
-    and attended from registers. ``CACHE``: the cache modifier of the loads from ``src``."""
+    request whose pages are ``kv_indices[first_page:]``: the cached keys ``[start, stop)`` (``stop``: ``end`` or
+    ``kv_pos``, whichever is less) from the cache, the first block of them given as ``_load_keys`` returned it
+    (``k1, k2, kr, v, nm``), and the newest (position ``kv_pos``, when the range holds it) from the QKV row ``src``,
+    normed and rotated, written into its cache slot and attended from registers. ``CACHE``: the cache modifier of
+    the loads from ``src``."""
     HAS_REST: tl.constexpr = ROT < D
-    stop = tl.minimum(end, kv_pos)  # cached keys of the range (the new one comes from registers)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    for n0 in range(start, stop, BLOCK):
-        k1, k2, kr, v, nm = _load_keys(cache_ptr, kv_indices_ptr, first_page, n0, stop, h, stride_page, stride_kv,
-                                       stride_slot, stride_head, D, ROT, PAGE, D_PAD, HALF_PAD, REST_PAD, BLOCK)
+    if start < stop:  # the first block, loaded by the caller
         m_i, l_i, acc = _attend_keys(q1, q2, qr, k1, k2, kr, v, nm, m_i, l_i, acc, scale_log2, HAS_REST)
+    for n0 in range(start + BLOCK, stop, BLOCK):
+        k1n, k2n, krn, vn, nmn = _load_keys(cache_ptr, kv_indices_ptr, first_page, n0, stop, h, stride_page,
+                                            stride_kv, stride_slot, stride_head, D, ROT, PAGE, D_PAD, HALF_PAD,
+                                            REST_PAD, BLOCK)
+        m_i, l_i, acc = _attend_keys(q1, q2, qr, k1n, k2n, krn, vn, nmn, m_i, l_i, acc, scale_log2, HAS_REST)
     if (start <= kv_pos) & (kv_pos < end):  # this split holds the new token: attend to it, then cache it
         m_i, l_i, acc = _attend_new(q1, q2, qr, src, cos, sin, k_norm_ptr, eps, cache_ptr, kv_indices_ptr, first_page,
                                     kv_pos, h, stride_page, stride_kv, stride_slot, stride_head, scale_log2, m_i, l_i,
@@ -201,7 +205,6 @@ def qkv_decode_attention_kernel(
         G: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
         QK_NORM: tl.constexpr, BLOCK: tl.constexpr, SPLIT_PAD: tl.constexpr, G_MERGE: tl.constexpr,
         PDL: tl.constexpr = False, MERGE: tl.constexpr = True):
-    wait_prior(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -209,9 +212,24 @@ def qkv_decode_attention_kernel(
     cdt = cache_ptr.dtype.element_ty
     d = tl.arange(0, HALF_PAD)
     dd = tl.arange(0, D_PAD)
+    # Before the wait for the QKV projection: what no kernel of this step writes before it. The step's positions
+    # and pages were copied in before the step began, the cached keys below the new token's position were written
+    # by earlier steps (only the new key's slot is written in this step, by this kernel). So this program's range
+    # and its first block of keys and values are in flight while the projection runs.
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=d < HALF, other=0.0)
+    # a decode step's token t is its request t (one load less in the chain before the first key)
+    kv_pos = tl.load(kv_pos_ptr + t)  # the new token's position: the request holds kv_pos + 1 keys
+    first_page = tl.load(kv_indptr_ptr + t)
+    per_split = tl.cdiv(tl.cdiv(kv_pos + 1, nsplit), BLOCK) * BLOCK
+    start = s * per_split
+    end = tl.minimum(start + per_split, kv_pos + 1)
+    stop = tl.minimum(end, kv_pos)  # cached keys of the range (the new one comes from registers)
+    k1, k2, kr, v, nm = _load_keys(cache_ptr, kv_indices_ptr, first_page, start, stop, h, stride_page, stride_kv,
+                                   stride_slot, stride_head, D, ROT, PAGE, D_PAD, HALF_PAD, REST_PAD, BLOCK)
+    wait_prior(PDL)
+
     src = qkv_ptr + t * stride_qkv
     g = tl.arange(0, G_PAD)
     gm = g < G
@@ -219,17 +237,10 @@ def qkv_decode_attention_kernel(
     q1, q2, qr = _norm_rope_heads(src, qh, gm, q_norm_ptr, cos, sin, eps, cdt, D, ROT, HALF_PAD, REST_PAD, QK_NORM,
                                   "")
     q1, q2, qr = q1.to(cdt), q2.to(cdt), qr.to(cdt)  # as the QKV kernel writes q
-
-    # a decode step's token t is its request t (one load less in the chain before the first key)
-    kv_pos = tl.load(kv_pos_ptr + t)  # the new token's position: the request holds kv_pos + 1 keys
-    first_page = tl.load(kv_indptr_ptr + t)
-    per_split = tl.cdiv(tl.cdiv(kv_pos + 1, nsplit), BLOCK) * BLOCK
-    start = s * per_split
-    end = tl.minimum(start + per_split, kv_pos + 1)
-
-    m_i, l_i, acc = _attend_split(q1, q2, qr, src, cos, sin, k_norm_ptr, eps, cache_ptr, kv_indices_ptr, first_page,
-                                  kv_pos, start, end, h, stride_page, stride_kv, stride_slot, stride_head, scale_log2,
-                                  HQ, HKV, D, ROT, PAGE, G_PAD, D_PAD, HALF_PAD, REST_PAD, QK_NORM, BLOCK, "")
+    m_i, l_i, acc = _attend_split(q1, q2, qr, k1, k2, kr, v, nm, src, cos, sin, k_norm_ptr, eps, cache_ptr,
+                                  kv_indices_ptr, first_page, kv_pos, start, stop, end, h, stride_page, stride_kv,
+                                  stride_slot, stride_head, scale_log2, HQ, HKV, D, ROT, PAGE, G_PAD, D_PAD, HALF_PAD,
+                                  REST_PAD, QK_NORM, BLOCK, "")
 
     out_rows = out_ptr + t * stride_out + qh[:, None] * D + dd[None, :]
     omask = gm[:, None] & (dd[None, :] < D)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from moeserve.ops.attention import decode_kernel_takes_rotary
-from moeserve.ops.attention.decode_triton import (LOG2E, _attend_keys, _attend_new, _load_keys, _merge_partials,
+from moeserve.ops.attention.decode_triton import (LOG2E, _attend_split, _load_keys, _merge_partials,
                                                   _store_partial, decode_attention_reference)
 from moeserve.ops.attention.qkv_triton import _norm_rope_heads
 from moeserve.ops.pdl import launch_kwargs
@@ -167,7 +167,6 @@ def attention_half_kernel(
         PRE_ATTN: tl.constexpr = True, O_PRE: tl.constexpr = 0, PRE_NEXT: tl.constexpr = True,
         PHASE: tl.constexpr = -1, PDL: tl.constexpr = False, TIMING: tl.constexpr = False, t_ptr=None):
     FUSED: tl.constexpr = PHASE < 0
-    HAS_REST: tl.constexpr = ROT < D
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
@@ -225,21 +224,11 @@ def attention_half_kernel(
             q1, q2, qr = _norm_rope_heads(qkv_ptr, qh, gm, q_norm_ptr, cos, sin, qk_eps, cdt, D, ROT, HALF_PAD,
                                           REST_PAD, QK_NORM, ".cg")
             q1, q2, qr = q1.to(cdt), q2.to(cdt), qr.to(cdt)
-            m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-            l_i = tl.zeros([G_PAD], tl.float32)
-            acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-            if start < stop:  # the first block, loaded with the setup
-                m_i, l_i, acc = _attend_keys(q1, q2, qr, k1, k2, kr, v, nm, m_i, l_i, acc, scale_log2, HAS_REST)
-            for n0 in range(start + BLOCK, stop, BLOCK):
-                k1n, k2n, krn, vn, nmn = _load_keys(cache_ptr, kv_indices_ptr, first_page, n0, stop, h, stride_page,
-                                                    stride_kv, stride_slot, stride_head, D, ROT, PAGE, D_PAD,
-                                                    HALF_PAD, REST_PAD, BLOCK)
-                m_i, l_i, acc = _attend_keys(q1, q2, qr, k1n, k2n, krn, vn, nmn, m_i, l_i, acc, scale_log2, HAS_REST)
-            if (start <= kv_pos) & (kv_pos < end):  # this split holds the new token: attend to it, then cache it
-                m_i, l_i, acc = _attend_new(q1, q2, qr, qkv_ptr, cos, sin, k_norm_ptr, qk_eps, cache_ptr,
-                                            kv_indices_ptr, first_page, kv_pos, h, stride_page, stride_kv,
-                                            stride_slot, stride_head, scale_log2, m_i, l_i, acc, HQ, HKV, D, ROT,
-                                            PAGE, D_PAD, HALF_PAD, REST_PAD, QK_NORM, ".cg")
+            # the first block of keys was loaded with the setup
+            m_i, l_i, acc = _attend_split(q1, q2, qr, k1, k2, kr, v, nm, qkv_ptr, cos, sin, k_norm_ptr, qk_eps,
+                                          cache_ptr, kv_indices_ptr, first_page, kv_pos, start, stop, end, h,
+                                          stride_page, stride_kv, stride_slot, stride_head, scale_log2, HQ, HKV, D,
+                                          ROT, PAGE, G_PAD, D_PAD, HALF_PAD, REST_PAD, QK_NORM, BLOCK, ".cg")
             _store_partial(part_o_ptr, part_ml_ptr, qh * nsplit + s, gm, m_i, l_i, acc, D, D_PAD)  # [HQ, nsplit]
             # the last split of kv head h to finish merges its heads' splits into the output row
             tl.debug_barrier()
