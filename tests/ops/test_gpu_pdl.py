@@ -1,5 +1,6 @@
 """Programmatic dependent launch (``moeserve.ops.pdl``) on the GPU: a decoder layer's chain of moeserve's Triton
-kernels (GEMV, QKV norm/rope/append, router partial sums, routing, expert alignment, fused MoE, combine) back to
+kernels (GEMV, the one-kernel decode attention or QKV norm/rope/append, router partial sums, routing, expert
+alignment, fused MoE, combine) back to
 back with cuBLAS and torch kernels and a side stream, captured in a CUDA graph with PDL on and with PDL off, and
 replayed with fresh inputs: every output is bit-identical between the two (a kernel that read its input before
 the kernel writing it had finished would read the previous replay's values), and the MoE output matches the
@@ -49,8 +50,11 @@ def _kv_metadata(t, gen):
             "pages": len(indices)}
 
 
-def _step(x, cache, m, lw, side):
-    """A decoder layer of moeserve's kernels at ``x [T, H]``: the outputs it leaves, by name."""
+def _step(x, cache, m, lw, side, ws):
+    """A decoder layer of moeserve's kernels at ``x [T, H]``: the outputs it leaves, by name. Steps the decode
+    workspace ``ws`` serves run the one-kernel decode attention (which loads its first block of cached keys before
+    its PDL wait), as the engine's decode steps do; larger ones the QKV kernel, whose q stands in for attention."""
+    from moeserve.ops.attention.decode_triton import qkv_decode_attention
     from moeserve.ops.attention.qkv_triton import qkv_rope_append
     from moeserve.ops.linear_triton import GEMV_MAX_ROWS, gemv
     from moeserve.ops.moe.combine import SharedExpertOutput
@@ -59,8 +63,12 @@ def _step(x, cache, m, lw, side):
     t = x.shape[0]
     lin = gemv if t <= GEMV_MAX_ROWS else F.linear  # Triton GEMV, else cuBLAS
     qkv = lin(x, lw["wqkv"], lw["bqkv"])
-    q = qkv_rope_append(qkv, m["pos"], lw["cos_sin"], HEADS, HEADS, D, cache, m["batch"], m["pos"], m["indices"],
-                        m["indptr"], None, None, eps=1e-6)
+    if ws.serves(t):
+        q = qkv_decode_attention(qkv, m["pos"], lw["cos_sin"], HEADS, HEADS, D, cache, m["pos"], m["indices"],
+                                 m["indptr"], None, None, 1e-6, D ** -0.5, ws)
+    else:
+        q = qkv_rope_append(qkv, m["pos"], lw["cos_sin"], HEADS, HEADS, D, cache, m["batch"], m["pos"], m["indices"],
+                            m["indptr"], None, None, eps=1e-6)
     h = lin(q.view(t, -1), lw["wo"]) + x  # a torch kernel between two of ours
     if t <= ROUTER_MAX_TOKENS:
         weights, ids, logits = topk_route_partials(router_partials(h, lw["router"]), E, "softmax", K)
@@ -76,27 +84,31 @@ def _step(x, cache, m, lw, side):
             "out": out, "z": lin(out, lw["wo"]), "cache": cache}
 
 
-# GEMV, else cuBLAS; the partial-sum router up to 64 tokens; 300 x 4 rows: the alignment in two kernels
+# GEMV, else cuBLAS; the decode attention up to 32 tokens; the partial-sum router up to 64 tokens; 300 x 4 rows: the
+# alignment in two kernels
 @pytest.mark.parametrize("T", [1, 8, 64, 300])
 def test_a_layer_of_pdl_kernels_in_a_cuda_graph_matches_the_same_without_pdl_and_torch(T):
     from moeserve.ops import pdl
+    from moeserve.ops.attention.decode_triton import DecodeWorkspace
     gen = torch.Generator(device="cuda").manual_seed(SEED + T)
     lw = _layer(gen)
     m = _kv_metadata(T, torch.Generator().manual_seed(SEED + T))
     x = torch.randn(T, H, generator=gen, device="cuda").bfloat16()
-    caches = {on: torch.zeros(m["pages"], 2, PAGE, HEADS, D, dtype=torch.bfloat16, device="cuda") for on in (0, 1)}
+    cached = torch.randn(m["pages"], 2, PAGE, HEADS, D, generator=gen, device="cuda").bfloat16()  # earlier tokens
+    caches = {on: cached.clone() for on in (0, 1)}
+    wss = {on: DecodeWorkspace(32, HEADS, HEADS, D, torch.device("cuda")) for on in (0, 1)}
     side, capture = torch.cuda.Stream(), torch.cuda.Stream()
     graphs, outs = {}, {}
     capture.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(capture):
         for on in (0, 1):
             with pdl.enabled_as(8192 if on else 0):
-                eager = _step(x, caches[on], m, lw, side)  # compiles and loads outside the capture
+                eager = _step(x, caches[on], m, lw, side, wss[on])  # compiles and loads outside the capture
                 capture.wait_stream(side)
                 eager = {k: v.clone() for k, v in eager.items()}
                 graphs[on] = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graphs[on], stream=capture):
-                    outs[on] = _step(x, caches[on], m, lw, side)
+                    outs[on] = _step(x, caches[on], m, lw, side, wss[on])
             outs[on]["eager"] = eager
     torch.cuda.current_stream().wait_stream(capture)
     torch.cuda.synchronize()
