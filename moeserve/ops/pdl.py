@@ -13,8 +13,11 @@ the GEMV) do too.
 Each such kernel takes a ``PDL`` constexpr and starts with ``pdl_triton.wait_prior``: it waits for the kernel
 before it ahead of reading or writing anything (so no hazard depends on what a kernel reads later), then lets
 the next one be scheduled; the fused MoE GEMM lets the next one be scheduled only after its main loop, so that
-kernel's blocks do not wait on SMs that the GEMM's later blocks could run on. One exception
-(``moe_fused_shared_early``): in a one-token step the fused MoE's tiles of a fused shared expert read their
+kernel's blocks do not wait on SMs that the GEMM's later blocks could run on. Two exceptions read before they
+wait, each only what is complete whenever it can start. The one-kernel decode attention
+(``attention.decode_triton``) loads the step's positions and pages and its first block of cached keys and values:
+the inputs were copied in before the step began and the cached keys written by earlier steps. And
+(``moe_fused_shared_early``) in a one-token step the fused MoE's tiles of a fused shared expert read their
 input before waiting, and the routing kernel before it lets it be scheduled at once: by then every router
 program has passed its own wait for the norm that wrote that input (``triton_kernels.fused_moe``'s
 ``fixed_tail``). Where ``moe_route_in_grid`` applies (the default), such a step instead runs the router, the

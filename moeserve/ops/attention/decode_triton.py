@@ -12,7 +12,10 @@ their cache slot. With one split a program writes its output; with several each 
 max, sum and unnormalised output, float32) and adds one to its (token, head) counter; the program that finds
 it was the last reads the partials back, merges them, writes the output and resets the counter to zero, so
 the kernel can be replayed in a CUDA graph. The split count depends only on the step's token count
-(:func:`num_splits`), so a captured graph keeps it.
+(:func:`num_splits`), so a captured graph keeps it. Under programmatic dependent launch a program loads its range
+and its first block of cached keys and values before it waits for the QKV projection (no kernel of the step writes
+them), so those loads overlap the projection; a one-token step on an H200 ended its attention 5.6 µs after the
+projection where it took 8.6 µs when it waited first.
 
 Decode only: every token is its request's last (``kv_positions[t] + 1`` keys). Numerics follow the unfused
 path: q and the new k rounded to the cache dtype after the rotation as the QKV kernel rounds them, scores and
