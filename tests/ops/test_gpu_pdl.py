@@ -1,10 +1,9 @@
 """Programmatic dependent launch (``moeserve.ops.pdl``) on the GPU: a decoder layer's chain of moeserve's Triton
 kernels (GEMV, the one-kernel decode attention or QKV norm/rope/append, router partial sums, routing, expert
-alignment, fused MoE, combine) back to
-back with cuBLAS and torch kernels and a side stream, captured in a CUDA graph with PDL on and with PDL off, and
-replayed with fresh inputs: every output is bit-identical between the two (a kernel that read its input before
-the kernel writing it had finished would read the previous replay's values), and the MoE output matches the
-float32 torch formula."""
+alignment, fused MoE, combine) back to back with cuBLAS and torch kernels and a side stream, captured in a CUDA
+graph with PDL on and with PDL off, and replayed with fresh inputs: every output is bit-identical between the two
+(a kernel that read its input before the kernel writing it had finished would read the previous replay's values),
+and the MoE output matches the float32 torch formula."""
 from __future__ import annotations
 
 import os
@@ -69,7 +68,7 @@ def _step(x, cache, m, lw, side, ws):
     else:
         q = qkv_rope_append(qkv, m["pos"], lw["cos_sin"], HEADS, HEADS, D, cache, m["batch"], m["pos"], m["indices"],
                             m["indptr"], None, None, eps=1e-6)
-    h = lin(q.view(t, -1), lw["wo"]) + x  # a torch kernel between two of ours
+    h = lin(q.view(t, -1), lw["wo"]) + x  # (the attention's output, or q) a torch kernel between two of ours
     if t <= ROUTER_MAX_TOKENS:
         weights, ids, logits = topk_route_partials(router_partials(h, lw["router"]), E, "softmax", K)
     else:
