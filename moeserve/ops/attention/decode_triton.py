@@ -167,6 +167,33 @@ def _attend_split(q1, q2, qr, k1, k2, kr, v, nm, src, cos, sin, k_norm_ptr, eps,
 
 
 @triton.jit
+def _split_setup(t, h, s, active, nsplit, pos_ptr, cos_sin_ptr, cache_ptr, kv_pos_ptr, kv_indices_ptr, kv_indptr_ptr,
+                 stride_cs, stride_page, stride_kv, stride_slot, stride_head, D: tl.constexpr, ROT: tl.constexpr,
+                 PAGE: tl.constexpr, D_PAD: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """What split ``s`` of kv head ``h`` of a decode step's token ``t`` needs before it reads the QKV projection,
+    none of it written earlier in the step: ``(cos, sin, kv_pos, first_page, start, end, stop, k1, k2, kr, v, nm)``,
+    the token's rotary row, its position (the request holds ``kv_pos + 1`` keys) and first page, the split's range
+    ``[start, end)`` of positions (``stop``: the end of its cached keys; the new one comes from the projection) and
+    its first block of cached keys and values (:func:`_load_keys`). ``active`` false: an empty range."""
+    HALF: tl.constexpr = ROT // 2
+    d = tl.arange(0, HALF_PAD)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=d < HALF, other=0.0)
+    # a decode step's token t is its request t (one load less in the chain before the first key)
+    kv_pos = tl.load(kv_pos_ptr + t)
+    first_page = tl.load(kv_indptr_ptr + t)
+    per_split = tl.cdiv(tl.cdiv(kv_pos + 1, nsplit), BLOCK) * BLOCK
+    start = tl.where(active, s * per_split, 0)
+    end = tl.where(active, tl.minimum(start + per_split, kv_pos + 1), 0)
+    stop = tl.minimum(end, kv_pos)
+    k1, k2, kr, v, nm = _load_keys(cache_ptr, kv_indices_ptr, first_page, start, stop, h, stride_page, stride_kv,
+                                   stride_slot, stride_head, D, ROT, PAGE, D_PAD, HALF_PAD, REST_PAD, BLOCK)
+    return cos, sin, kv_pos, first_page, start, end, stop, k1, k2, kr, v, nm
+
+
+@triton.jit
 def _store_partial(part_o_ptr, part_ml_ptr, pidx, hmask, m_i, l_i, acc, D: tl.constexpr, D_PAD: tl.constexpr):
     """One split's partial of the heads ``hmask``: (max, sum) at ``part_ml[pidx]``, the output at ``part_o[pidx]``."""
     dd = tl.arange(0, D_PAD)
@@ -211,26 +238,15 @@ def qkv_decode_attention_kernel(
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    HALF: tl.constexpr = ROT // 2
     cdt = cache_ptr.dtype.element_ty
-    d = tl.arange(0, HALF_PAD)
     dd = tl.arange(0, D_PAD)
     # Before the wait for the QKV projection: what no kernel of this step writes before it. The step's positions
     # and pages were copied in before the step began, the cached keys below the new token's position were written
     # by earlier steps (only the new key's slot is written in this step, by this kernel). So this program's range
     # and its first block of keys and values are in flight while the projection runs.
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=d < HALF, other=0.0)
-    # a decode step's token t is its request t (one load less in the chain before the first key)
-    kv_pos = tl.load(kv_pos_ptr + t)  # the new token's position: the request holds kv_pos + 1 keys
-    first_page = tl.load(kv_indptr_ptr + t)
-    per_split = tl.cdiv(tl.cdiv(kv_pos + 1, nsplit), BLOCK) * BLOCK
-    start = s * per_split
-    end = tl.minimum(start + per_split, kv_pos + 1)
-    stop = tl.minimum(end, kv_pos)  # cached keys of the range (the new one comes from registers)
-    k1, k2, kr, v, nm = _load_keys(cache_ptr, kv_indices_ptr, first_page, start, stop, h, stride_page, stride_kv,
-                                   stride_slot, stride_head, D, ROT, PAGE, D_PAD, HALF_PAD, REST_PAD, BLOCK)
+    cos, sin, kv_pos, first_page, start, end, stop, k1, k2, kr, v, nm = _split_setup(
+        t, h, s, True, nsplit, pos_ptr, cos_sin_ptr, cache_ptr, kv_pos_ptr, kv_indices_ptr, kv_indptr_ptr, stride_cs,
+        stride_page, stride_kv, stride_slot, stride_head, D, ROT, PAGE, D_PAD, HALF_PAD, REST_PAD, BLOCK)
     wait_prior(PDL)
 
     src = qkv_ptr + t * stride_qkv

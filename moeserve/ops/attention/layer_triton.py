@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from moeserve.ops.attention import decode_kernel_takes_rotary
-from moeserve.ops.attention.decode_triton import (LOG2E, _attend_split, _load_keys, _merge_partials,
+from moeserve.ops.attention.decode_triton import (LOG2E, _attend_split, _merge_partials, _split_setup,
                                                   _store_partial, decode_attention_reference)
 from moeserve.ops.attention.qkv_triton import _norm_rope_heads
 from moeserve.ops.pdl import launch_kwargs
@@ -130,25 +130,14 @@ def _attention_setup(pid, nsplit, pos_ptr, cos_sin_ptr, cache_ptr, kv_pos_ptr, k
                      stride_cs, stride_page, stride_kv, stride_slot, stride_head, HKV: tl.constexpr, D: tl.constexpr,
                      ROT: tl.constexpr, PAGE: tl.constexpr, D_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
                      REST_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """What program ``pid``'s attention needs that no earlier phase writes: its (kv head, split), the rotary
-    row, the request's length and pages, its range of positions and its first block of cached keys and values
-    (none for a program without a split)."""
-    HALF: tl.constexpr = ROT // 2
+    """What program ``pid``'s attention needs that no earlier phase writes: its (kv head, split), whether it has
+    one (``active``), and :func:`decode_triton._split_setup`'s for it (an empty range without a split)."""
     active = pid < HKV * nsplit
     h = tl.minimum(pid // nsplit, HKV - 1)
     s = pid % nsplit
-    d = tl.arange(0, HALF_PAD)
-    pos = tl.load(pos_ptr).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=d < HALF, other=0.0)
-    kv_pos = tl.load(kv_pos_ptr)  # the request holds kv_pos + 1 keys, the newest from qkv
-    first_page = tl.load(kv_indptr_ptr)
-    per_split = tl.cdiv(tl.cdiv(kv_pos + 1, nsplit), BLOCK) * BLOCK
-    start = tl.where(active, s * per_split, 0)
-    end = tl.where(active, tl.minimum(start + per_split, kv_pos + 1), 0)
-    stop = tl.minimum(end, kv_pos)  # cached keys of the range (the new one comes from registers)
-    k1, k2, kr, v, nm = _load_keys(cache_ptr, kv_indices_ptr, first_page, start, stop, h, stride_page, stride_kv,
-                                   stride_slot, stride_head, D, ROT, PAGE, D_PAD, HALF_PAD, REST_PAD, BLOCK)
+    cos, sin, kv_pos, first_page, start, end, stop, k1, k2, kr, v, nm = _split_setup(
+        0, h, s, active, nsplit, pos_ptr, cos_sin_ptr, cache_ptr, kv_pos_ptr, kv_indices_ptr, kv_indptr_ptr, stride_cs,
+        stride_page, stride_kv, stride_slot, stride_head, D, ROT, PAGE, D_PAD, HALF_PAD, REST_PAD, BLOCK)
     return active, h, s, cos, sin, kv_pos, first_page, start, end, stop, k1, k2, kr, v, nm
 
 
