@@ -25,9 +25,10 @@ PHASES = ["norm", "qkv", "attention", "o_proj", "norm2", "routing", "moe"]
 
 def layer_phases(ks: list) -> tuple[dict, dict]:
     end = lambda k: k[2] + k[3]  # noqa: E731
-    # the QKV GEMV; with linear_fuse_norm the input norm is inside it (its phase is then 0, from the combine before;
+    # the QKV GEMV (the GEMV right before the decode attention); with linear_fuse_norm the input norm is inside it (its phase is then 0, from the combine before;
     # the first layer, with no residual yet, keeps its norm)
-    qkv = [i for i, k in enumerate(ks) if k[0] in ("_gemv_kernel", "_add_norm_gemv_kernel") and k[4] == "[192, 1, 1]"]
+    gemvs = ("_gemv_kernel", "_gemv_row_kernel", "_add_norm_gemv_kernel")
+    qkv = [i for i, k in enumerate(ks[:-1]) if k[0] in gemvs and ks[i + 1][0].startswith("qkv_decode")]
     folded = lambda i: ks[i][0] == "_add_norm_gemv_kernel"  # noqa: E731
     # a layer starts where its norm starts, or where the combine before its QKV GEMV ends when that holds the norm
     start_of = lambda i: end(ks[i - 1]) if folded(i) else ks[i - 1][2]  # noqa: E731
@@ -37,7 +38,7 @@ def layer_phases(ks: list) -> tuple[dict, dict]:
             continue
         seg = ks[i - 1: nxt if folded(nxt) else nxt - 1]  # from the norm (folded: the combine) before the QKV GEMV
         attn = next(k for k in seg if k[0].startswith("qkv_decode"))
-        o = next(k for k in seg if k[0] == "_gemv_kernel" and k[4] == "[64, 1, 1]")
+        o = next(k for k in seg[seg.index(attn):] if k[0] in gemvs)
         n2 = next((k for k in seg if "FusedAddRMSNorm" in k[0] and k[2] > o[2]),
                   o)  # none with router_fuse_norm in the routed grid (a branch's): its phase is then 0
         topk = next((k for k in seg if k[0].startswith(("_topk_route", "_router_topk"))),  # (the latter: a branch's)

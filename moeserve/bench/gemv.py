@@ -5,8 +5,8 @@ weight from HBM), the GEMV launched with programmatic dependent launch where the
 engine's ``pdl_max_tokens``); a call's time is the graph's over the calls. Timed one call at a time instead,
 kernels of a few microseconds carry a per-call floor that a step does not have (on an H200 the 2048 x 2048
 projection took 9.9 us through cuBLAS and 25.4 us through the GEMV that way, against 6.0 us in a step). With
-``--sweep`` the GEMV runs every tile configuration of a small grid and the best is reported beside the built-in
-one (``moeserve.ops.linear_triton.gemv_config``).
+``--sweep`` the GEMV runs every tile configuration of a small grid (one-row steps also the one-row kernel's) and
+the best is reported beside the built-in one (``moeserve.ops.linear_triton.gemv_config``, ``gemv_row_config``).
 
     python -m moeserve.bench.gemv --model qwen1.5-moe-a2.7b --rows 1 2 4 8 --out gemv.json [--sweep]
 """
@@ -23,6 +23,10 @@ from moeserve.bench.graph_timing import time_in_graph_us
 
 TOL = 2e-2  # bf16 output of a float32-accumulated dot product over K <= 8192, against float32
 SWEEP = {"BLOCK_N": (16, 32), "BLOCK_K": (256, 512, 1024), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
+# one-row steps also sweep the one-row kernel: (BLOCK_N, BLOCK_K, num_warps), each with num_stages 1 and 3
+ROW_SWEEP = [(2, 2048, 4), (4, 1024, 4), (4, 2048, 4), (4, 2048, 8), (8, 512, 4), (8, 1024, 4), (8, 1024, 8),
+             (8, 2048, 8), (16, 256, 4), (16, 512, 4), (16, 512, 8), (16, 1024, 8), (32, 256, 4), (32, 256, 8),
+             (32, 512, 8)]
 
 
 def model_linears(model: str) -> list[tuple[str, int, int, bool]]:
@@ -63,7 +67,7 @@ def main(argv=None) -> int:
         print("moeserve.bench.gemv: needs a CUDA GPU")
         return 2
     from moeserve.ops import pdl
-    from moeserve.ops.linear_triton import gemv, gemv_config
+    from moeserve.ops.linear_triton import gemv, gemv_config, gemv_row_config
     dtype = getattr(torch, args.dtype)
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -71,6 +75,8 @@ def main(argv=None) -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
     configs = [dict(zip(SWEEP, v)) for v in itertools.product(*SWEEP.values())] if args.sweep else []
+    row_configs = [{"row": True, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
+                   for bn, bk, w in ROW_SWEEP for st in (1, 3)] if args.sweep else []
     for name, n, k, has_bias in model_linears(args.model):
         nbytes = n * k * torch.finfo(dtype).bits // 8
         copies = copies_for(nbytes, props.L2_cache_size)
@@ -83,7 +89,7 @@ def main(argv=None) -> int:
             err = (gemv(x, w, b).float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
             if err > TOL:
                 raise SystemExit(f"{name} M={m}: GEMV differs from the float32 reference by {err:.3g} (> {TOL})")
-            cfg = gemv_config(n, k)
+            cfg = (gemv_row_config(n, k) if m == 1 else None) or gemv_config(n, k)  # as the engine runs it
 
             def timed(fn):
                 return time_in_graph_us([lambda w=w, b=b: fn(w, b) for w, b in zip(ws, bs)])
@@ -97,7 +103,7 @@ def main(argv=None) -> int:
                   f"  gemv {t_gemv:7.2f} us ({row['gemv_TBps']:.2f} TB/s)", flush=True)
             if configs and name not in ("lm_head", "router"):
                 swept = []
-                for c in configs:
+                for c in configs + (row_configs if m == 1 else []):
                     try:
                         swept.append((timed(lambda w, b, c=c: gemv(x, w, b, c)), c))
                     except Exception as e:  # noqa: BLE001 - a tile that does not fit (shared memory) is skipped

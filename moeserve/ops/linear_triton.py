@@ -4,7 +4,9 @@ unquantised bf16/fp16 weights; ``backends.linear: torch`` keeps cuBLAS for every
 At decode batch sizes cuBLAS picks tile shapes made for larger M: on an H200 the c=1 step of Qwen1.5-MoE spends
 1.44 ms in GEMMs whose weights need ~0.77 ms to read. Here each program owns ``BLOCK_N`` output features and
 walks the whole ``K`` of their weight rows, multiplying by every row of ``x`` at once (``tl.dot`` with the rows
-padded to 16); the bias is added in the epilogue. Steps of more than ``max_tokens`` rows, weights narrower
+padded to 16); the bias is added in the epilogue. One-row steps of weights of at most 4,096 rows (the output
+projection) run a kernel without ``tl.dot`` (:func:`_gemv_row_kernel`, :func:`gemv_row_config`): a few rows a
+program, their tiles multiplied elementwise in registers, 1.2% faster at c=1. Steps of more than ``max_tokens`` rows, weights narrower
 than ``GEMV_MIN_N`` (a router) or wider than ``GEMV_MAX_N`` (an LM head, which cuBLAS reads at the copy
 bandwidth) and other dtypes run ``F.linear``.
 
@@ -65,6 +67,36 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_n[:, None] < N) & m_mask[None, :])
 
 
+@triton.jit
+def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    """``y[n] = sum_k x[k] * w[n, k] (+ b[n])`` for one row of ``x``: the weight tile goes from global memory
+    straight to registers and is multiplied elementwise, float32 partial sums per column reduced once at the
+    end (no shared memory and no 16-row padding, as :func:`_gemv_kernel`'s ``tl.dot`` needs)."""
+    wait_prior(PDL)
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_n = (offs_n % N).to(tl.int64)  # past-the-end features re-read a valid row; their outputs are masked
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptr + k * BLOCK_K + offs_k)
+        else:
+            k_mask = offs_k < K - k * BLOCK_K
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+            x = tl.load(x_ptr + k * BLOCK_K + offs_k, mask=k_mask, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows_n).to(tl.float32)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
 def gemv_config(n: int, k: int) -> dict:
     """Tile parameters for an ``[n, k]`` weight, from ``python -m moeserve.bench.gemv --sweep`` on an H200 (the
     linears back to back in a CUDA graph with PDL, docs/results/2026-12-02-h200-q) for the Qwen1.5-MoE linears:
@@ -76,6 +108,21 @@ def gemv_config(n: int, k: int) -> dict:
     if n <= 4096:
         return {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4}
+
+
+def gemv_row_config(n: int, k: int) -> dict | None:
+    """Tiles of :func:`_gemv_row_kernel` for a one-row step of an ``[n, k]`` weight, or None where
+    :func:`_gemv_kernel` serves one row better. From a sweep on an H200 (``python -m moeserve.bench.gemv --sweep``:
+    the linears back to back in a CUDA graph with PDL) and an A/B of the decode step
+    (docs/results/2026-12-04-h200-y): the 2048 x 2048 output projection reads in 3.85 us with four rows a program
+    and the whole K in one tile, against 5.74 us through :func:`_gemv_kernel`; in a step it ended 1.8 us sooner
+    and c=1 decoded 1.2% faster. The 6144 x 2048 QKV projection was faster alone too (8.3 against 10.0 us) but
+    not in a step: its programs filled the SMs, so the decode attention after it could no longer load its keys
+    beside it and ended 3.3 us later (+0.9% with both against +1.2% with the output projection's alone). So
+    weights of more rows than 4,096 keep :func:`_gemv_kernel`."""
+    if n <= 4096:
+        return {"row": True, "BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 3}
+    return None
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -93,7 +140,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, n)
-    c = config or gemv_config(n, k)
+    c = config or (gemv_row_config(n, k) if m == 1 else None) or gemv_config(n, k)
+    if c.get("row"):
+        if m != 1:
+            raise ValueError(f"the one-row GEMV's tiles were given {m} rows")
+        _gemv_row_kernel[(triton.cdiv(n, c["BLOCK_N"]),)](
+            x2, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
+            BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], EVEN_K=k % c["BLOCK_K"] == 0, num_warps=c["num_warps"],
+            num_stages=c["num_stages"], **launch_kwargs(m))
+        return y.reshape(*lead, n)
     grid = (triton.cdiv(n, c["BLOCK_N"]),)
     _gemv_kernel[grid](x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0), weight.stride(0),
                        y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],

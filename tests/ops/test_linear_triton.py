@@ -1,7 +1,7 @@
 """Tests of the Triton GEMV behind the ``triton`` linear backend (steps of few tokens).
 
-CPU: the kernel under Triton's interpreter (one subprocess) against a float64 ``x @ W^T + b``, on odd shapes
-(N not a multiple of the tile, K not a multiple of BLOCK_K, 1 to 16 rows). GPU (``-m gpu``): bf16 and fp16
+CPU: the kernels under Triton's interpreter (one subprocess) against a float64 ``x @ W^T + b``, on odd shapes
+(N not a multiple of the tile, K not a multiple of BLOCK_K, 1 to 16 rows; one row runs the one-row kernel). GPU (``-m gpu``): bf16 and fp16
 on the Qwen1.5-MoE linears against float32, inside a CUDA graph, and the backend's choice between the GEMV
 and cuBLAS. Inputs are fresh random each run; the seed is in failure messages (``MOESERVE_TEST_SEED``).
 """
@@ -28,8 +28,14 @@ CPU_CASES = {
     "M3-oddK": (3, 33, 100, False, torch.float32, {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}),
     "M16-fp16": (16, 48, 128, True, torch.float16, {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}),
     "M0": (0, 16, 64, False, torch.float32, None),
-    # the built-in tiles (gemv_config) of a weight of at most 4,096 rows: BLOCK_K 512, 3 stages
+    # one row: the one-row kernel (_gemv_row_kernel), with a bias, with K not a multiple of BLOCK_K, and with
+    # its built-in tiles (gemv_row_config) of a weight of at most 4,096 rows: the whole K (2048) in one masked tile
+    "row-M1-bias": (1, 40, 96, True, torch.float32, {"row": True, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4,
+                                                     "num_stages": 1}),
+    "row-M1-oddK": (1, 33, 100, False, torch.float16, {"row": True, "BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 2,
+                                                       "num_stages": 3}),
     "M1-builtin": (1, 48, 1024, False, torch.float32, None),
+    # the built-in tiles (gemv_config) of a weight of at most 4,096 rows: BLOCK_K 512, 3 stages
     "M2-builtin-oddK": (2, 40, 1000, True, torch.float16, None),
 }
 
@@ -71,6 +77,13 @@ def test_gemv_refuses_more_rows_than_one_tile():
     from moeserve.ops.linear_triton import GEMV_MAX_ROWS, gemv
     with pytest.raises(ValueError, match="at most 16 rows"):
         gemv(torch.zeros(GEMV_MAX_ROWS + 1, 8), torch.zeros(4, 8))
+
+
+def test_one_row_tiles_refuse_more_rows():
+    from moeserve.ops.linear_triton import gemv
+    tiles = {"row": True, "BLOCK_N": 4, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}
+    with pytest.raises(ValueError, match="one-row GEMV's tiles were given 2 rows"):
+        gemv(torch.zeros(2, 64), torch.zeros(8, 64), config=tiles)
 
 
 def test_backend_takes_only_small_half_precision_cuda_steps():

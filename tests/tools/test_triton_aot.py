@@ -58,9 +58,12 @@ def test_dry_run_lists_the_triton_kernels_of_the_bench_configuration(tmp_path):
     assert len(qkv) == 2 and sum("PDL=True" in line for line in qkv) == 1, qkv
     assert "BLOCK_SIZE_M=16 BLOCK_SIZE_N=32 BLOCK_SIZE_K=128" in text  # the tuned H200 table's M=1 tile
     assert "PAIRWISE=True" in text and "PAIRWISE=False" in text  # one-token steps skip the alignment
-    # the triton linear backend's GEMV (auto on a GPU, one-token steps): qkv_proj carries a bias, the shared
-    # expert's down projection K=5632 takes the long-row tile
-    assert "_gemv_kernel" in text and "HAS_BIAS=True" in text and "BLOCK_K=1024" in text
+    # the triton linear backend's GEMV (auto on a GPU, one-token steps): qkv_proj (6,144 rows, a bias) runs the
+    # tl.dot GEMV, the 2,048-row projections the one-row kernel with the whole K of 2,048 in one tile
+    gemv_lines = [line for line in text.splitlines() if "_gemv_kernel" in line]
+    row_lines = [line for line in text.splitlines() if "_gemv_row_kernel" in line]
+    assert any("HAS_BIAS=True" in line for line in gemv_lines), gemv_lines
+    assert any("BLOCK_N=4 BLOCK_K=2048" in line for line in row_lines), row_lines
 
 
 def test_built_kernels_serve_every_launch_from_disk_after_the_cache_moves(tmp_path):
