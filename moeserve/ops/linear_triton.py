@@ -6,9 +6,9 @@ At decode batch sizes cuBLAS picks tile shapes made for larger M: on an H200 the
 walks the whole ``K`` of their weight rows, multiplying by every row of ``x`` at once (``tl.dot`` with the rows
 padded to 16); the bias is added in the epilogue. One-row steps of weights of at most 4,096 rows (the output
 projection) run a kernel without ``tl.dot`` (:func:`_gemv_row_kernel`, :func:`gemv_row_config`): a few rows a
-program, their tiles multiplied elementwise in registers, 1.2% faster at c=1. Steps of more than ``max_tokens`` rows, weights narrower
-than ``GEMV_MIN_N`` (a router) or wider than ``GEMV_MAX_N`` (an LM head, which cuBLAS reads at the copy
-bandwidth) and other dtypes run ``F.linear``.
+program, their tiles multiplied elementwise in registers, 1.2% faster at c=1. Steps of more than ``max_tokens``
+rows, weights narrower than ``GEMV_MIN_N`` (a router) or wider than ``GEMV_MAX_N`` (an LM head, which cuBLAS reads
+at the copy bandwidth) and other dtypes run ``F.linear``.
 
 Measured on an H200 (docs/results/2026-12-01-h200-b), with a first tile config (BLOCK_N 16): a c=1 decode
 step's GEMM time went from 1.44 ms (cuBLAS) to 1.57 ms (1.30 ms of it the GEMV, 96 launches), and decode
@@ -112,14 +112,16 @@ def gemv_config(n: int, k: int) -> dict:
 
 def gemv_row_config(n: int, k: int) -> dict | None:
     """Tiles of :func:`_gemv_row_kernel` for a one-row step of an ``[n, k]`` weight, or None where
-    :func:`_gemv_kernel` serves one row better. From a sweep on an H200 (``python -m moeserve.bench.gemv --sweep``:
-    the linears back to back in a CUDA graph with PDL) and an A/B of the decode step
+    :func:`_gemv_kernel` serves one row better. From a sweep on an H200 (the linears back to back in a CUDA graph
+    with PDL; ``python -m moeserve.bench.gemv --sweep`` runs the same one-row tiles) and A/Bs of the decode step
     (docs/results/2026-12-04-h200-y): the 2048 x 2048 output projection reads in 3.85 us with four rows a program
-    and the whole K in one tile, against 5.74 us through :func:`_gemv_kernel`; in a step it ended 1.8 us sooner
-    and c=1 decoded 1.2% faster. The 6144 x 2048 QKV projection was faster alone too (8.3 against 10.0 us) but
-    not in a step: its programs filled the SMs, so the decode attention after it could no longer load its keys
-    beside it and ended 3.3 us later (+0.9% with both against +1.2% with the output projection's alone). So
-    weights of more rows than 4,096 keep :func:`_gemv_kernel`."""
+    and the whole K in one tile, against 5.74 us through :func:`_gemv_kernel`; in a step it ended 1.7 us sooner
+    and c=1 decoded 1.2% and 1.6% faster. The 6144 x 2048 QKV projection was faster alone too (8.3 against 10.0 us)
+    but not in a step: the decode attention after it, which loads its first keys before it waits for the
+    projection, then ended 3.3 to 3.5 us later (+0.9% with both projections against +1.2% with the output
+    projection's alone). So weights of more than 4,096 rows keep :func:`_gemv_kernel`. Other weights of at most
+    4,096 rows take the same tiles, untimed (the shared expert's down projection, K = 5632, which one-token steps
+    run inside the fused MoE by default)."""
     if n <= 4096:
         return {"row": True, "BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 3}
     return None
