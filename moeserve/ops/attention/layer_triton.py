@@ -34,13 +34,12 @@ import triton
 import triton.language as tl
 
 from moeserve.ops.attention import decode_kernel_takes_rotary
-from moeserve.ops.attention.decode_triton import (LOG2E, _attend_split, _merge_partials, _split_setup,
+from moeserve.ops.attention.decode_triton import (LOG2E, MAX_SPLITS, _attend_split, _merge_partials, _split_setup,
                                                   _store_partial, decode_attention_reference)
 from moeserve.ops.attention.qkv_triton import _norm_rope_heads
 from moeserve.ops.pdl import launch_kwargs
 from moeserve.ops.pdl_triton import let_next_start, wait_prior
 
-MAX_SPLITS = 16
 BLOCK_KEYS = 64
 
 
