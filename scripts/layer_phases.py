@@ -25,8 +25,8 @@ PHASES = ["norm", "qkv", "attention", "o_proj", "norm2", "routing", "moe"]
 
 def layer_phases(ks: list) -> tuple[dict, dict]:
     end = lambda k: k[2] + k[3]  # noqa: E731
-    # the QKV GEMV (the GEMV right before the decode attention); with linear_fuse_norm the input norm is inside it (its phase is then 0, from the combine before;
-    # the first layer, with no residual yet, keeps its norm)
+    # the QKV GEMV (the GEMV right before the decode attention); with linear_fuse_norm the input norm is inside it
+    # (its phase is then 0, from the combine before; the first layer, with no residual yet, keeps its norm)
     gemvs = ("_gemv_kernel", "_gemv_row_kernel", "_add_norm_gemv_kernel")
     qkv = [i for i, k in enumerate(ks[:-1]) if k[0] in gemvs and ks[i + 1][0].startswith("qkv_decode")]
     folded = lambda i: ks[i][0] == "_add_norm_gemv_kernel"  # noqa: E731

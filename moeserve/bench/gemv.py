@@ -6,7 +6,7 @@ engine's ``pdl_max_tokens``); a call's time is the graph's over the calls. Timed
 kernels of a few microseconds carry a per-call floor that a step does not have (on an H200 the 2048 x 2048
 projection took 9.9 us through cuBLAS and 25.4 us through the GEMV that way, against 6.0 us in a step). With
 ``--sweep`` the GEMV runs every tile configuration of a small grid (one-row steps also the one-row kernel's) and
-the best is reported beside the built-in one (``moeserve.ops.linear_triton.gemv_config``, ``gemv_row_config``).
+the best is reported beside the built-in one (``moeserve.ops.linear_triton.gemv_tiles``).
 
     python -m moeserve.bench.gemv --model qwen1.5-moe-a2.7b --rows 1 2 4 8 --out gemv.json [--sweep]
 """
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         print("moeserve.bench.gemv: needs a CUDA GPU")
         return 2
     from moeserve.ops import pdl
-    from moeserve.ops.linear_triton import gemv, gemv_config, gemv_row_config
+    from moeserve.ops.linear_triton import gemv, gemv_tiles
     dtype = getattr(torch, args.dtype)
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
             err = (gemv(x, w, b).float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
             if err > TOL:
                 raise SystemExit(f"{name} M={m}: GEMV differs from the float32 reference by {err:.3g} (> {TOL})")
-            cfg = (gemv_row_config(n, k) if m == 1 else None) or gemv_config(n, k)  # as the engine runs it
+            cfg = gemv_tiles(m, n, k)  # as the engine runs it
 
             def timed(fn):
                 return time_in_graph_us([lambda w=w, b=b: fn(w, b) for w, b in zip(ws, bs)])

@@ -127,6 +127,12 @@ def gemv_row_config(n: int, k: int) -> dict | None:
     return None
 
 
+def gemv_tiles(m: int, n: int, k: int) -> dict:
+    """The tiles :func:`gemv` takes for ``m`` rows times an ``[n, k]`` weight: :func:`gemv_row_config`'s for one
+    row where it has them (``"row": True``: :func:`_gemv_row_kernel`), else :func:`gemv_config`'s."""
+    return (gemv_row_config(n, k) if m == 1 else None) or gemv_config(n, k)
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: dict | None = None) -> torch.Tensor:
     """``x @ weight^T (+ bias)`` for ``x`` ``[..., K]`` of at most :data:`GEMV_MAX_ROWS` rows, ``weight``
@@ -142,7 +148,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, n)
-    c = config or (gemv_row_config(n, k) if m == 1 else None) or gemv_config(n, k)
+    c = config or gemv_tiles(m, n, k)
     if c.get("row"):
         if m != 1:
             raise ValueError(f"the one-row GEMV's tiles were given {m} rows")

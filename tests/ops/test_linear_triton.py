@@ -1,9 +1,10 @@
 """Tests of the Triton GEMV behind the ``triton`` linear backend (steps of few tokens).
 
 CPU: the kernels under Triton's interpreter (one subprocess) against a float64 ``x @ W^T + b``, on odd shapes
-(N not a multiple of the tile, K not a multiple of BLOCK_K, 1 to 16 rows; one row runs the one-row kernel). GPU (``-m gpu``): bf16 and fp16
-on the Qwen1.5-MoE linears against float32, inside a CUDA graph, and the backend's choice between the GEMV
-and cuBLAS. Inputs are fresh random each run; the seed is in failure messages (``MOESERVE_TEST_SEED``).
+(N not a multiple of the tile, K not a multiple of BLOCK_K, 1 to 16 rows; one row runs the one-row kernel). GPU
+(``-m gpu``): bf16 and fp16 on the Qwen1.5-MoE linears against float32, inside a CUDA graph, and the backend's
+choice between the GEMV and cuBLAS. Inputs are fresh random each run; the seed is in failure messages
+(``MOESERVE_TEST_SEED``).
 """
 from __future__ import annotations
 
