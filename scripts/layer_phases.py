@@ -6,8 +6,9 @@
 For every layer (from the norm before its QKV GEMV to the norm before the next layer's): the median time from the
 end of each phase's last kernel to the end of the next one's (norm, QKV GEMV, attention, output projection, the
 post-attention norm, routing, the MoE phase up to the combine), then, inside the MoE phase, each kernel's median
-start and end after routing (after the post-attention norm where the routing runs in the MoE's grid). Kernels
-launched with programmatic dependent launch start before their predecessor ends, so a phase is measured by ends.
+start and end after routing (after the post-attention norm where the routing runs in the MoE's grid), and when the
+attention kernel started after the QKV GEMV did. Kernels launched with programmatic dependent launch start before
+their predecessor ends (once each of its programs has started), so a phase is measured by ends.
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def layer_phases(ks: list) -> tuple[dict, dict]:
         for name, a, b in zip(PHASES, t, t[1:]):
             phases[name].append(b - a)
         phases["layer"].append(start_of(nxt) - start_of(i))
+        # under PDL the attention kernel is launched once every QKV program has started: how far into the GEMV
+        phases["attention launch after qkv start"].append(attn[2] - ks[i][2])
         for k in seg[seg.index(topk) + 1: seg.index(comb) + 1]:
             moe[(k[0][:40], k[4])].append((k[2] - end(topk), end(k) - end(topk)))
     med = statistics.median
@@ -66,7 +69,9 @@ def main(argv: list[str]) -> int:
             p.error(f"{path}: not a readable gzipped trace ({e})")
         phases, moe = layer_phases(ks)
         print(f"{path}: {len(ks)} kernels; a layer (median) {phases.pop('layer'):.2f} us:")
+        launch = phases.pop("attention launch after qkv start")
         print("   " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()) + " us")
+        print(f"   the attention kernel started {launch:.2f} us after the QKV GEMV did")
         print("   the MoE phase, us after routing ends (start, end):")
         for (name, grid), (a, b, n) in moe.items():
             print(f"     {name:40s} {grid:13s} {a:+7.2f} {b:7.2f}")

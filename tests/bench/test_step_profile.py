@@ -143,3 +143,21 @@ def test_layer_phases_reads_layers_whose_norms_are_both_inside_their_kernels_aft
     assert "a layer (median) 62.00 us" in out.stdout, out.stdout
     assert "norm 0.00, qkv 11.00, attention 7.00, o_proj 6.00, norm2 0.00, routing 0.00, moe 38.00 us" in out.stdout
     assert "-2.00   25.00" in out.stdout  # the routed grid, from the output projection's end
+
+
+def test_layer_phases_finds_the_one_row_gemvs_and_when_the_attention_started(tmp_path):
+    """One-token layers whose projections run the one-row GEMV (other grids than ``_gemv_kernel``'s): the GEMVs are
+    found by their place around the attention kernel, and the attention's start after the QKV GEMV's is printed."""
+    def layer(t0, attn_at):  # (name, stream, start, duration, grid)
+        return [("FusedAddRMSNormKernel", 7, t0, 2, (1, 1, 1)), ("_gemv_row_kernel", 7, t0 + 2, 8, (768, 1, 1)),
+                ("qkv_decode_attention_kernel", 7, t0 + 2 + attn_at, 12 - attn_at, (1, 16, 16)),
+                ("_gemv_row_kernel", 7, t0 + 12, 6, (512, 1, 1)), ("FusedAddRMSNormKernel", 7, t0 + 18, 2, (1, 1, 1)),
+                ("_route_moe_kernel", 7, t0 + 20, 25, (736, 1, 1)), ("fused_moe_kernel", 7, t0 + 43, 12, (512, 1, 1)),
+                ("moe_combine_kernel", 7, t0 + 55, 3, (1, 2, 1))]
+    ks = layer(0, 7) + layer(58, 7) + layer(116, 6) + [("FusedAddRMSNormKernel", 7, 174, 2, (1, 1, 1)),
+                                                        ("_gemv_row_kernel", 7, 176, 8, (768, 1, 1)),
+                                                        ("qkv_decode_attention_kernel", 7, 178, 10, (1, 16, 16))]
+    out = _layer_phases(tmp_path, ks)
+    assert "a layer (median) 58.00 us" in out.stdout, out.stdout
+    assert "norm 2.00, qkv 8.00, attention 4.00, o_proj 4.00, norm2 2.00, routing 0.00, moe 38.00 us" in out.stdout
+    assert "the attention kernel started 7.00 us after the QKV GEMV did" in out.stdout
