@@ -118,8 +118,10 @@ def gemv_row_config(n: int, k: int) -> dict | None:
     and the whole K in one tile, against 5.74 us through :func:`_gemv_kernel`; in a step it ended 1.7 us sooner
     and c=1 decoded 1.2% and 1.6% faster. The 6144 x 2048 QKV projection was faster alone too (8.3 against 10.0 us)
     but not in a step: the decode attention after it, which loads its first keys before it waits for the
-    projection, then ended 3.3 to 3.5 us later (+0.9% with both projections against +1.2% with the output
-    projection's alone). So weights of more than 4,096 rows keep :func:`_gemv_kernel`. Other weights of at most
+    projection, is launched under PDL only once every program of the projection has started, 7 us into the
+    one-row kernel's 768 programs against 1.3 us into :func:`_gemv_kernel`'s 192; it ended 3.3 to 3.5 us later
+    (+0.9% with both projections against +1.2% with the output projection's alone). So weights of more than
+    4,096 rows keep :func:`_gemv_kernel`. Other weights of at most
     4,096 rows take the same tiles, untimed (the shared expert's down projection, K = 5632, which one-token steps
     run inside the fused MoE by default)."""
     if n <= 4096:
