@@ -1,14 +1,15 @@
 """The phases of a one-token decode layer of Qwen1.5-MoE from a step profile's trace (``moeserve.bench.step_profile
 --concurrency 1 --trace-dir DIR`` with the default GPU path: the GEMV, the one-kernel Triton decode attention).
 
-    python scripts/layer_phases.py DIR/decode-c1.json.gz [...]
+    python scripts/layer_phases.py DIR/decode-c1.json.gz [...] [--launches]
 
 For every layer (from the norm before its QKV GEMV to the norm before the next layer's): the median time from the
 end of each phase's last kernel to the end of the next one's (norm, QKV GEMV, attention, output projection, the
 post-attention norm, routing, the MoE phase up to the combine), then, inside the MoE phase, each kernel's median
 start and end after routing (after the post-attention norm where the routing runs in the MoE's grid), and when the
 attention kernel started after the QKV GEMV did. Kernels launched with programmatic dependent launch start before
-their predecessor ends (once each of its programs has started), so a phase is measured by ends.
+their predecessor ends (once each of its programs has started), so a phase is measured by ends. ``--launches``
+adds, for each pair of kernels that follow one another, when the second started after the first.
 """
 from __future__ import annotations
 
@@ -58,10 +59,26 @@ def layer_phases(ks: list) -> tuple[dict, dict]:
             {k: (med(a for a, _ in v), med(b for _, b in v), len(v)) for k, v in moe.items()})
 
 
+def launches(ks: list, least: int = 20) -> list[tuple]:
+    """For each pair of kernels that follow one another at least ``least`` times in the trace: ``(kernel, grid,
+    next kernel, grid, count, median us from the kernel's start to the next one's start, median us from the next
+    one's start to the kernel's end)``. Under programmatic dependent launch the next kernel starts once every program
+    of the kernel has let it (Triton kernels here right after their wait, FlashInfer's norms at their end), so a
+    start well before the end means the next kernel's programs sit on the GPU early."""
+    pairs = defaultdict(list)
+    for a, b in zip(ks, ks[1:]):
+        pairs[(a[0][:40], a[4], b[0][:40], b[4])].append((b[2] - a[2], a[2] + a[3] - b[2]))
+    med = statistics.median
+    return [(*key, len(v), med(x for x, _ in v), med(y for _, y in v))
+            for key, v in sorted(pairs.items(), key=lambda kv: -len(kv[1])) if len(v) >= least]
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python scripts/layer_phases.py", description=__doc__.split("\n\n")[0])
     p.add_argument("traces", nargs="+", help="step_profile's decode-c1.json.gz traces")
-    paths = p.parse_args(argv).traces
+    p.add_argument("--launches", action="store_true", help="also when each kernel started after the one before")
+    args = p.parse_args(argv)
+    paths = args.traces
     for path in paths:
         try:
             ks = kernels_from_trace(json.load(gzip.open(path)))
@@ -75,6 +92,10 @@ def main(argv: list[str]) -> int:
         print("   the MoE phase, us after routing ends (start, end):")
         for (name, grid), (a, b, n) in moe.items():
             print(f"     {name:40s} {grid:13s} {a:+7.2f} {b:7.2f}")
+        if args.launches:
+            print("   kernel -> next kernel: times; us from its start to the next one's start; from there to its end")
+            for a, ga, b, gb, n, start, before_end in launches(ks):
+                print(f"     {a:40s} {ga:13s} -> {b:40s} {gb:13s} {n:4d} {start:+8.2f} {before_end:+8.2f}")
     return 0
 
 

@@ -74,7 +74,7 @@ def test_a_cpu_only_profiler_trace_has_no_kernels(tmp_path):
     assert timeline([], steps=4) == {}
 
 
-def _layer_phases(tmp_path, ks) -> subprocess.CompletedProcess:
+def _layer_phases(tmp_path, ks, *args) -> subprocess.CompletedProcess:
     """``scripts/layer_phases.py`` over a trace of the kernels ``ks`` ``(name, stream, start, duration, grid)``."""
     trace = {"traceEvents": [{"ph": "X", "cat": "kernel", "name": n, "ts": s, "dur": d,
                               "args": {"stream": st, "grid": list(g)}} for n, st, s, d, g in ks]}
@@ -82,7 +82,7 @@ def _layer_phases(tmp_path, ks) -> subprocess.CompletedProcess:
     with gzip.open(path, "wt") as f:
         json.dump(trace, f)
     repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "scripts/layer_phases.py", str(path)], cwd=repo, capture_output=True,
+    out = subprocess.run([sys.executable, "scripts/layer_phases.py", str(path), *args], cwd=repo, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return out
@@ -157,7 +157,27 @@ def test_layer_phases_finds_the_one_row_gemvs_and_when_the_attention_started(tmp
     ks = layer(0, 7) + layer(58, 7) + layer(116, 6) + [("FusedAddRMSNormKernel", 7, 174, 2, (1, 1, 1)),
                                                         ("_gemv_row_kernel", 7, 176, 8, (768, 1, 1)),
                                                         ("qkv_decode_attention_kernel", 7, 178, 10, (1, 16, 16))]
-    out = _layer_phases(tmp_path, ks)
+    out = _layer_phases(tmp_path, ks, "--launches")
     assert "a layer (median) 58.00 us" in out.stdout, out.stdout
     assert "norm 2.00, qkv 8.00, attention 4.00, o_proj 4.00, norm2 2.00, routing 0.00, moe 38.00 us" in out.stdout
     assert "the attention kernel started 7.00 us after the QKV GEMV did" in out.stdout
+    # --launches: each pair of kernels that follow one another at least 20 times; here none (4 layers)
+    assert "kernel -> next kernel" in out.stdout and "qkv_decode_attention_kernel" not in out.stdout.split(
+        "kernel -> next kernel")[1]
+
+
+def test_launches_are_timed_from_each_kernels_start():
+    """``layer_phases.launches``: for a pair seen often enough, the next kernel's start after the kernel's start
+    and before its end (negative: a gap after it)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("layer_phases", Path(__file__).resolve().parents[2] / "scripts"
+                                                  / "layer_phases.py")
+    lp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lp)
+    ks = []
+    for i in range(3):  # (name, stream, start, duration, grid): B starts 1 us into A; C 0.5 us after B ends
+        t = 100 * i
+        ks += [("A", 7, t, 10, "[192, 1, 1]"), ("B", 7, t + 1, 12, "[1, 16, 16]"), ("C", 7, t + 13.5, 2, "[1, 1, 1]")]
+    got = {(r[0], r[2]): r[4:] for r in lp.launches(ks, least=3)}
+    assert got[("A", "B")] == (3, 1, 9) and got[("B", "C")] == (3, 12.5, -0.5)
+    assert ("C", "A") not in got  # only twice
