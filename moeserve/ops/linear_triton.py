@@ -121,9 +121,8 @@ def gemv_row_config(n: int, k: int) -> dict | None:
     projection, is launched under PDL only once every program of the projection has started, 7 us into the
     one-row kernel's 768 programs against 1.3 us into :func:`_gemv_kernel`'s 192; it ended 3.3 to 3.5 us later
     (+0.9% with both projections against +1.2% with the output projection's alone). So weights of more than
-    4,096 rows keep :func:`_gemv_kernel`. Other weights of at most
-    4,096 rows take the same tiles, untimed (the shared expert's down projection, K = 5632, which one-token steps
-    run inside the fused MoE by default)."""
+    4,096 rows keep :func:`_gemv_kernel`. Other weights of at most 4,096 rows take the same tiles, untimed (the
+    shared expert's down projection, K = 5632, which one-token steps run inside the fused MoE by default)."""
     if n <= 4096:
         return {"row": True, "BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 3}
     return None
