@@ -11,6 +11,9 @@ from moeserve.ops.interfaces import ActivationBackend, NormBackend, RopeBackend
 
 # --- RMSNorm ------------------------------------------------------------------------------------
 
+TRITON_ADD_NORM_MAX_TOKENS = 0  # steps of at most this many rows run norm_triton.add_rmsnorm (not measured: off)
+
+
 class TorchNorm(NormBackend):
     """RMSNorm as Hugging Face computes it: in float32, cast back, then scaled by the weight."""
 
@@ -42,6 +45,10 @@ class FlashInferNorm(NormBackend):
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
         # In place: residual += x; x = rmsnorm(residual) * weight.
+        if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= TRITON_ADD_NORM_MAX_TOKENS:
+            from moeserve.ops.norm_triton import MAX_HIDDEN, add_rmsnorm
+            if x.shape[1] <= MAX_HIDDEN and x.stride(1) == 1 and residual.stride(1) == 1:
+                return add_rmsnorm(x, residual, weight, eps)
         self._fn.fused_add_rmsnorm(x, residual, weight, eps)
         return x, residual
 

@@ -1,0 +1,47 @@
+"""Residual add + RMSNorm for small steps in Triton, launched with programmatic dependent launch so that the kernel
+after it can be placed on the GPU while it runs (FlashInfer's ``fused_add_rmsnorm`` lets its successor start only
+at its very end: ``griddepcontrol.launch_dependents`` is its last instruction). Not measured; off by default
+(``moeserve.ops.basic.TRITON_ADD_NORM_MAX_TOKENS``)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moeserve.ops.pdl import launch_kwargs
+from moeserve.ops.pdl_triton import wait_prior
+
+MAX_HIDDEN = 16384  # one program holds a whole row
+
+
+@triton.jit
+def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, H, eps, stride_x, stride_res, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """Row ``t``: ``res = x + res`` (rounded to the residual's dtype), ``x = res / rms(res) * w`` with the sum in
+    float32, as FlashInfer's ``fused_add_rmsnorm`` computes it (the norm of the unrounded sum). The weight is read
+    before the wait (nothing in a step writes it); the next kernel may start right after the wait."""
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    wait_prior(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    x = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x += tl.load(res_ptr + t * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(res_ptr + t * stride_res + cols, x.to(res_ptr.dtype.element_ty), mask=mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+    tl.store(x_ptr + t * stride_x + cols, (x * rstd * w).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place, as FlashInfer's ``fused_add_rmsnorm``: ``residual += x``, then ``x = rmsnorm(residual) * weight``;
+    returns ``(x, residual)``. ``x`` and ``residual`` ``[T, H]`` with contiguous rows, ``H`` at most
+    :data:`MAX_HIDDEN`."""
+    t, h = x.shape
+    if h > MAX_HIDDEN or x.stride(1) != 1 or residual.stride(1) != 1:
+        raise ValueError(f"add_rmsnorm: rows of at most {MAX_HIDDEN} contiguous elements, got {tuple(x.shape)}")
+    if t:
+        _add_rmsnorm_kernel[(t,)](x, residual, weight, h, float(eps), x.stride(0), residual.stride(0),
+                                  BLOCK=triton.next_power_of_2(h), num_warps=8 if h > 4096 else 4,
+                                  **launch_kwargs(t))
+    return x, residual
