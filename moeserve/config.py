@@ -284,6 +284,11 @@ class EngineConfig(_Strict):
     linear_gemv_max_tokens: int = Field(
         1, ge=0, le=16, description="with backends.linear: triton, steps of at most this many tokens run moeserve's "
         "Triton GEMV instead of cuBLAS (on an H200 it was faster at one token, slower at two); 0 always runs cuBLAS")
+    norm_triton_max_tokens: int = Field(
+        64, ge=0, le=1024, description="with backends.norm: flashinfer on a GPU, the residual add + RMSNorm of steps "
+        "of at most this many tokens runs moeserve's Triton kernel, which lets the next kernel start (PDL) as soon "
+        "as it runs where FlashInfer's lets it start only at its end (on an H200 decode was faster with it at c=1, 8 "
+        "and 32); 0 always runs FlashInfer's")
     generation_config: str = Field(
         "auto", description="request defaults (temperature, top_p, top_k, min_p): auto reads the model "
         "directory's generation_config.json, vllm uses none, a directory reads that one's")

@@ -134,6 +134,15 @@ class RuntimePlan:
         return self.config.router_fuse_norm and not self.parallel.is_parallel and not self.config.torch_compile
 
     @property
+    def norm_triton_max_tokens(self) -> int:
+        """Steps of at most this many tokens run the residual add + RMSNorm in Triton
+        (``moeserve.ops.norm_triton``, ``norm_triton_max_tokens``): the FlashInfer norm backend on a GPU, up to the
+        largest step."""
+        if self.device.type != "cuda" or self.backends["norm"].name != "flashinfer":
+            return 0
+        return min(self.config.norm_triton_max_tokens, self.max_step_tokens)
+
+    @property
     def pdl_max_tokens(self) -> int:
         """Steps of at most this many tokens launch moeserve's Triton kernels with programmatic dependent launch
         (``moeserve.ops.pdl``): ``pdl_max_tokens`` on a GPU of compute capability 9.0 or later, else 0."""
@@ -169,10 +178,12 @@ class RuntimePlan:
         gated = bool(m.shared_expert_intermediate_size and m.shared_expert_gate)
         qkv = self.fused_qkv
         fused = self.fused_shared_expert_steps
-        return {"kernels": moe or routing or gemv > 0 or qkv, "moe": moe,
+        norm = self.norm_triton_max_tokens
+        return {"kernels": moe or routing or gemv > 0 or qkv or norm > 0, "moe": moe,
                 "routing": m.routing.method if routing else None, "fused_qkv": qkv,
                 "decode_max_tokens": self.triton_decode_max_tokens, "layer_kernel": self.layer_kernel,
-                "gemv_max_tokens": gemv, "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
+                "gemv_max_tokens": gemv, "norm_triton_max_tokens": norm,
+                "moe_pairwise_max_tokens": self.config.moe_pairwise_max_tokens if moe else 0,
                 "fuse_shared_expert": fused is not None,
                 "fuse_shared_expert_pieces": self.config.moe_fuse_shared_expert_pieces if fused is not None else 0,
                 "fuse_shared_expert_max_tokens": fused or 0,

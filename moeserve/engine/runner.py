@@ -163,10 +163,13 @@ class ModelRunner:
             linear.max_tokens = self.cfg.linear_gemv_max_tokens
         if moe.name == "triton":
             moe.pairwise_max_tokens = self.cfg.moe_pairwise_max_tokens
+        norm = cls("norm")()
+        if norm.name == "flashinfer":
+            norm.triton_max_tokens = plan.norm_triton_max_tokens
         routing = cls("routing")(dev, explicit=plan.explicit("routing"))
         if routing.name == "fused":
             routing.split_max_tokens = self.cfg.router_split_k_max_tokens
-        return Ops(linear=linear, norm=cls("norm")(), activation=cls("activation")(),
+        return Ops(linear=linear, norm=norm, activation=cls("activation")(),
                    moe=moe, routing=routing,
                    rope_cls=cls("rope"), names=self.backend_names, quantization=self.quantization,
                    side_stream=torch.cuda.Stream(dev) if side else None,

@@ -6,13 +6,11 @@ import torch.nn.functional as F
 
 from moeserve.kernel_cache import flashinfer_env  # noqa: F401  (sets FlashInfer's environment before its import)
 from moeserve.kernel_cache.modules import KernelModule, Target
+from moeserve.ops.eager import eager
 from moeserve.ops.interfaces import ActivationBackend, NormBackend, RopeBackend
 
 
 # --- RMSNorm ------------------------------------------------------------------------------------
-
-TRITON_ADD_NORM_MAX_TOKENS = 0  # steps of at most this many rows run norm_triton.add_rmsnorm (not measured: off)
-
 
 class TorchNorm(NormBackend):
     """RMSNorm as Hugging Face computes it: in float32, cast back, then scaled by the weight."""
@@ -32,11 +30,26 @@ class TorchNorm(NormBackend):
 
 
 class FlashInferNorm(NormBackend):
+    """FlashInfer's RMSNorm kernels; the residual add + RMSNorm of steps of at most ``triton_max_tokens`` rows
+    (``norm_triton_max_tokens``, set by the engine) runs :func:`moeserve.ops.norm_triton.add_rmsnorm` instead."""
+
     name = "flashinfer"
 
-    def __init__(self):
+    def __init__(self, triton_max_tokens: int = 0):
         import flashinfer.norm as fn
         self._fn = fn
+        self.triton_max_tokens = triton_max_tokens
+
+    def takes_triton(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether :meth:`add_rmsnorm` of these rows runs the Triton kernel."""
+        from moeserve.ops.norm_triton import MAX_HIDDEN
+        return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= self.triton_max_tokens
+                and x.shape[1] <= MAX_HIDDEN and x.stride(1) == 1 and residual.stride(1) == 1)
+
+    @eager  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
+    def _triton_add_rmsnorm(self, x, residual, weight, eps):
+        from moeserve.ops.norm_triton import add_rmsnorm
+        return add_rmsnorm(x, residual, weight, eps)
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 3:  # per-head q/k norm: FlashInfer takes (tokens, heads, dim) directly
@@ -45,10 +58,8 @@ class FlashInferNorm(NormBackend):
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
         # In place: residual += x; x = rmsnorm(residual) * weight.
-        if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= TRITON_ADD_NORM_MAX_TOKENS:
-            from moeserve.ops.norm_triton import MAX_HIDDEN, add_rmsnorm
-            if x.shape[1] <= MAX_HIDDEN and x.stride(1) == 1 and residual.stride(1) == 1:
-                return add_rmsnorm(x, residual, weight, eps)
+        if self.triton_max_tokens and self.takes_triton(x, residual):
+            return self._triton_add_rmsnorm(x, residual, weight, eps)
         self._fn.fused_add_rmsnorm(x, residual, weight, eps)
         return x, residual
 

@@ -328,8 +328,8 @@ def _pdl_step_sizes(pdl_bound: int, largest: int) -> list[int]:
 
 def launch_every_kernel(plan, on_step=None) -> None:
     """Run, on ``meta`` tensors, every Triton launch the plan can make: the attention's QKV kernel, the MoE
-    layer (router, routing, fused MoE, combine) for each step size from 1 to the largest, and the GEMV for each
-    linear and small step. Inside ``compile_session`` each launch compiles (or lists) its kernel instead of
+    layer (router, routing, fused MoE, combine) for each step size from 1 to the largest, the residual add +
+    RMSNorm of small steps, and the GEMV for each linear and small step. Inside ``compile_session`` each launch compiles (or lists) its kernel instead of
     running. ``on_step(t)`` is called before the step of ``t`` tokens, ``on_step(None)`` before the GEMVs."""
     from moeserve.ops import pdl
     on_step = on_step or (lambda t: None)
@@ -355,6 +355,13 @@ def launch_every_kernel(plan, on_step=None) -> None:
                 on_step(tokens)
                 x = torch.empty((tokens, h), dtype=plan.dtype, device=meta)
                 layer.after_attention(x, torch.empty_like(x), norm_w, plan.arch.rms_norm_eps, norm_w)  # as the model
+        if fp.get("norm_triton_max_tokens"):
+            from moeserve.ops.norm_triton import add_rmsnorm
+            h = plan.arch.hidden_size
+            for tokens in _pdl_step_sizes(fp["pdl_max_tokens"], fp["norm_triton_max_tokens"]):
+                on_step(tokens)
+                x = torch.empty((tokens, h), dtype=plan.dtype, device=meta)
+                add_rmsnorm(x, torch.empty_like(x), torch.empty(h, dtype=plan.dtype, device=meta), 1e-6)
         on_step(None)
         if fp["gemv_max_tokens"]:
             from moeserve.ops.linear_triton import TritonLinear, gemv

@@ -150,6 +150,28 @@ def test_gemv_backend_follows_the_cublas_engine(tmp_path):
     assert r.worst > 0.999 and r.agreement >= 0.95
 
 
+def test_triton_add_norm_follows_the_flashinfer_norm_engine(tmp_path):
+    """``norm_triton_max_tokens``: the residual add + RMSNorm of small steps runs moeserve's Triton kernel (in the
+    decode graphs and eager steps alike); against the engine that runs FlashInfer's for every step (the same
+    arithmetic, another summation order: the fast path's tolerance, worst cosine > 0.999 and at least 95% of
+    greedy tokens the same)."""
+    make_checkpoint("qwen2_moe", tmp_path, seed=14, **GPU_QWEN2)
+    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
+    tri = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, norm_triton_max_tokens=8)
+    ref = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, norm_triton_max_tokens=0)
+    norm = tri.runner.ops.norm
+    assert norm.triton_max_tokens == 8 and ref.runner.ops.norm.triton_max_tokens == 0
+    rows = []
+    launch = norm._triton_add_rmsnorm
+    norm._triton_add_rmsnorm = lambda x, *a: rows.append(x.shape[0]) or launch(x, *a)
+    g = torch.Generator().manual_seed(19)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 50, 7, 20)]
+    r = lockstep(tri, ref, prompts, MAX_TOKENS, follow="fast")
+    assert rows and max(rows) <= 8, "small steps should have run the Triton add + RMSNorm"
+    assert r.graph_steps > 0
+    assert r.worst > 0.999 and r.agreement >= 0.95
+
+
 @pytest.mark.parametrize("kind, shape, eager", [("qwen3_moe", GPU_QWEN3, False), ("qwen2_moe", GPU_QWEN2, False),
                                                 ("qwen2_moe", GPU_QWEN2, True)])
 def test_triton_decode_attention_matches_torch_path(tmp_path, kind, shape, eager):
