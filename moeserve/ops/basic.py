@@ -42,9 +42,10 @@ class FlashInferNorm(NormBackend):
 
     def takes_triton(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
         """Whether :meth:`add_rmsnorm` of these rows runs the Triton kernel."""
+        if not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= self.triton_max_tokens):
+            return False
         from moeserve.ops.norm_triton import MAX_HIDDEN
-        return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= self.triton_max_tokens
-                and x.shape[1] <= MAX_HIDDEN and x.stride(1) == 1 and residual.stride(1) == 1)
+        return x.shape[1] <= MAX_HIDDEN and x.stride(1) == 1 and residual.stride(1) == 1
 
     @eager  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
     def _triton_add_rmsnorm(self, x, residual, weight, eps):
@@ -58,7 +59,7 @@ class FlashInferNorm(NormBackend):
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
         # In place: residual += x; x = rmsnorm(residual) * weight.
-        if self.triton_max_tokens and self.takes_triton(x, residual):
+        if self.takes_triton(x, residual):
             return self._triton_add_rmsnorm(x, residual, weight, eps)
         self._fn.fused_add_rmsnorm(x, residual, weight, eps)
         return x, residual

@@ -329,8 +329,9 @@ def _pdl_step_sizes(pdl_bound: int, largest: int) -> list[int]:
 def launch_every_kernel(plan, on_step=None) -> None:
     """Run, on ``meta`` tensors, every Triton launch the plan can make: the attention's QKV kernel, the MoE
     layer (router, routing, fused MoE, combine) for each step size from 1 to the largest, the residual add +
-    RMSNorm of small steps, and the GEMV for each linear and small step. Inside ``compile_session`` each launch compiles (or lists) its kernel instead of
-    running. ``on_step(t)`` is called before the step of ``t`` tokens, ``on_step(None)`` before the GEMVs."""
+    RMSNorm of small steps, and the GEMV for each linear and small step. Inside ``compile_session`` each launch
+    compiles (or lists) its kernel instead of running. ``on_step(t)`` is called before the step of ``t`` tokens,
+    ``on_step(None)`` before the GEMVs."""
     from moeserve.ops import pdl
     on_step = on_step or (lambda t: None)
     fp = plan.triton_fingerprint("?")
