@@ -11,6 +11,8 @@ compile); ``--all`` keeps all of them. The collected ids (collected on the machi
 whose imports are missing is skipped at collection) are cut into ``--parts`` consecutive runs of about the same
 number of tests; a part runs with ``--durations=15`` so that its slowest tests are named.
 With ``--kernel-cache DIR`` the tests' engines load their kernels from that cache (``MOESERVE_KERNEL_CACHE``).
+With ``--live-log FILE`` each test's outcome and seconds (and a failure's reason) are appended to FILE as it ends
+(``scripts/pytest_live_log.py``), so that a run stopped by a time limit before pytest's summary still names them.
 """
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="print each part's test ids and run nothing")
     p.add_argument("--all", action="store_true", help="also the server, block-FP8 and CUTLASS MoE tests")
     p.add_argument("--kernel-cache", help="run the tests' engines on this kernel cache (MOESERVE_KERNEL_CACHE)")
+    p.add_argument("--live-log", help="append each test's outcome, seconds and a failure's reason to this file as "
+                   "it ends")
     args = p.parse_args(argv)
     if args.parts < 1 or not 1 <= args.part <= args.parts:
         p.error(f"--part must be between 1 and --parts ({args.parts}), got {args.part}")
@@ -71,8 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         env["MOESERVE_KERNEL_CACHE"] = str(Path(args.kernel_cache).resolve())
     print(f"gpu_suite: part {args.part}/{args.parts}: {len(chunk)} tests in "
           f"{len({c.split('::', 1)[0] for c in chunk})} files", flush=True)
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q", "-rfE", "--durations=15",
-           *extra, *chunk]
+    live = []
+    if args.live_log:
+        env["MOESERVE_LIVE_LOG"] = str(Path(args.live_log).resolve())
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "scripts"), env.get("PYTHONPATH")]))
+        live = ["-p", "pytest_live_log"]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", *live, "-q", "-rfE",
+           "--durations=15", *extra, *chunk]
     return subprocess.run(cmd, cwd=REPO, env=env).returncode
 
 

@@ -2,11 +2,14 @@
 selection (no server, block-FP8 model or CUTLASS MoE tests unless ``--all``)."""
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from cli_utils import load_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,3 +59,48 @@ def test_a_part_outside_the_range_is_one_clear_line():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--part must be between 1 and --parts (2), got 3" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_live_log_names_each_test_as_it_ends(tmp_path):
+    """``scripts/pytest_live_log.py``: a line per test when it ends, a failure's with its assertion, a skip and an
+    error in set-up with where they happened; nothing for set-up and tear-down that passed."""
+    (tmp_path / "test_cases.py").write_text(
+        "import pytest\n"
+        "@pytest.fixture\n"
+        "def broken():\n"
+        "    raise RuntimeError('fixture broke')\n"
+        "def test_passes():\n"
+        "    assert True\n"
+        "def test_fails():\n"
+        "    assert 1 + 1 == 3, 'arithmetic is off'\n"
+        "@pytest.mark.skip(reason='not here')\n"
+        "def test_skipped():\n"
+        "    pass\n"
+        "def test_errors(broken):\n"
+        "    pass\n")
+    log = tmp_path / "live.log"
+    env = {**os.environ, "MOESERVE_LIVE_LOG": str(log), "PYTHONPATH": str(REPO / "scripts")}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "pytest_live_log",
+                          str(tmp_path / "test_cases.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1, out.stdout[-2000:]
+    lines = log.read_text().splitlines()
+    assert len(lines) == 4, lines
+    assert all(re.match(r"\[ *\d+\.\d s\] [A-Z]+", ln) for ln in lines), lines
+    assert " PASSED " in lines[0] and lines[0].endswith("test_cases.py::test_passes")
+    assert " FAILED " in lines[1] and "test_fails -- AssertionError: arithmetic is off" in lines[1]
+    assert " SKIPPED in setup " in lines[2] and lines[2].endswith("::test_skipped")
+    assert " FAILED in setup " in lines[3] and "test_errors -- RuntimeError: fixture broke" in lines[3]
+
+
+def test_the_suite_passes_the_live_log_to_pytest(tmp_path):
+    """``--live-log``: the suite's pytest writes the file, a line for each test of the part (here, without a GPU,
+    every one skipped at set-up)."""
+    log = tmp_path / "live.log"
+    listed = _listed("--parts", "40")[1]
+    out = subprocess.run([sys.executable, str(SCRIPT), "--parts", "40", "--part", "1", "--live-log", str(log)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    lines = log.read_text().splitlines()
+    assert [ln.rsplit(" ", 1)[-1] for ln in lines] == listed, out.stdout[-2000:]
+    if not torch.cuda.is_available():
+        assert out.returncode == 0 and all(" SKIPPED in setup " in ln for ln in lines)
