@@ -12,6 +12,9 @@ An arm is ``NAME[@TREE][:key=value,key=value...]``: ``@TREE`` runs it from the s
 the options are its engine options on top of ``--set`` (each value read as YAML, as the CLI's ``--set``). A
 kernel cache serves every arm when it was built from each arm's options and tree (``moeserve precompile`` into
 one build directory, once per arm); with ``allow_jit=false`` an arm it does not cover is refused at start.
+An option ``py.MODULE.NAME=VALUE`` sets a module constant of moeserve in the arm's process instead of an engine
+option (``scripts/decode_ab.py``: an experiment's switch without a copy of the tree; with ``allow_jit=true`` where
+it changes a Triton kernel).
 """
 from __future__ import annotations
 

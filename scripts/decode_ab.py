@@ -10,20 +10,53 @@ N tokens and a separate pass of one token and divided by the difference; the one
 c=1 depending on the process, and wherever that differed from the prefill inside the long pass the rate was off.)
 
     python scripts/decode_ab.py --model CKPT_DIR --concurrency 1 8 32 [--set kernel_cache_dir=DIR]
+
+A ``--set py.MODULE.NAME=VALUE`` sets a module constant of moeserve before the engine is built (an experiment's
+switch or bound, e.g. ``py.moeserve.ops.linear_triton.GEMV_MAX_N=1000000``; the value read as YAML), instead of a
+copy of the source tree with the constant changed. Only constants the code reads when it runs take effect (not
+default arguments bound at import). The kernel cache does not know of them: a constant that changes a Triton
+kernel needs ``allow_jit=true``, or the engine refuses the kernel it lacks. The JSON line lists the constants as
+the process read them back.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 
 
+def set_module_constants(sets: list[str]) -> dict[str, str]:
+    """Apply the ``py.MODULE.NAME=VALUE`` entries of ``sets`` (``VALUE`` read as YAML); returns ``{MODULE.NAME:
+    repr(value)}``. A module that does not import, or a name it does not have, is a ``ValueError`` naming it."""
+    from moeserve.config import parse_override
+    done = {}
+    for kv in sets:
+        if not kv.startswith("py."):
+            continue
+        key, value = parse_override(kv[3:])
+        module, _, name = key.rpartition(".")
+        if not module.startswith("moeserve."):
+            raise ValueError(f"--set {kv}: only moeserve's modules take constants, not {module!r}")
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:
+            raise ValueError(f"--set {kv}: module {module!r} does not import ({e})") from None
+        if not hasattr(mod, name):
+            raise ValueError(f"--set {kv}: {module!r} has no constant {name!r}")
+        setattr(mod, name, value)
+        done[key] = repr(value)
+    return done
+
+
 def build_llm(model: str, sets: list[str]):
-    """The engine every A/B instrument here runs: ``model`` with the benchmark's limits, then ``--set`` overrides."""
+    """The engine every A/B instrument here runs: ``model`` with the benchmark's limits, then ``--set`` overrides
+    (``py.MODULE.NAME=VALUE`` ones set module constants first: :func:`set_module_constants`)."""
     from moeserve import LLM
     from moeserve.config import load_config, parse_override
     opts = dict(model=model, dtype="bfloat16", max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=8192,
                 gpu_memory_utilization=0.85)
-    return LLM(config=load_config(None, opts | dict(parse_override(kv) for kv in sets)))
+    set_module_constants(sets)
+    return LLM(config=load_config(None, opts | dict(parse_override(kv) for kv in sets if not kv.startswith("py."))))
 
 
 def main() -> int:
@@ -34,12 +67,16 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--set", action="append", default=[],
-                   help="engine option key=value or section.key=value (the value read as YAML, as the CLI's --set)")
+                   help="engine option key=value or section.key=value (the value read as YAML, as the CLI's --set), "
+                   "or py.MODULE.NAME=VALUE: a moeserve module constant")
     p.add_argument("--label", default="")
     args = p.parse_args()
     from moeserve.bench.engine_driver import MoeserveAdapter
     from moeserve.bench.workloads import WorkloadCase, run_case
-    llm = build_llm(args.model, args.set)
+    try:
+        llm = build_llm(args.model, args.set)
+    except ValueError as e:
+        raise SystemExit(f"decode_ab: {e}") from None
     adapter = MoeserveAdapter(llm.engine)
     vocab = llm.engine.arch.vocab_size
     rows = []
@@ -54,7 +91,12 @@ def main() -> int:
                      "e2e_runs_s": [round(m["e2e_s"], 4) for m in runs]})
         print(f"{args.label} c={c}: decode {row['decode_tok_s']:.1f} tok/s (TTFT {row['ttft_s'] * 1e3:.1f} ms, "
               f"end to end {row['e2e_s'] * 1e3:.1f} ms)", flush=True)
-    print(json.dumps({"label": args.label, "rows": rows}))
+    read_back = {}
+    for kv in args.set:
+        if kv.startswith("py."):
+            module, _, name = kv[3:].split("=", 1)[0].strip().rpartition(".")
+            read_back[f"{module}.{name}"] = repr(getattr(importlib.import_module(module), name))
+    print(json.dumps({"label": args.label, "rows": rows} | ({"constants": read_back} if read_back else {})))
     return 0
 
 

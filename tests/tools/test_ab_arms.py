@@ -41,8 +41,29 @@ def test_two_arms_on_the_tiny_model(tmp_path):
                           "--output-len", "8", "--out", str(out)], cwd=REPO, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    assert "bad round 1: exit 1: moeserve.config.ConfigError: config error: no_such_option: unknown field" in run.stdout
+    assert "bad round 1: exit 1: decode_ab: config error: no_such_option: unknown field" in run.stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["arm"] for r in rows] == ["base", "nopdl"] and rows[1]["sets"] == ["pdl_max_tokens=0"]
     assert all(r["rows"][0]["decode_tok_s"] > 0 for r in rows)
     assert "nopdl" in run.stdout.splitlines()[-1]
+
+
+def test_an_arm_sets_a_module_constant_without_a_copy_of_the_tree(tmp_path):
+    """``py.MODULE.NAME=VALUE`` in an arm's options sets that moeserve constant in the arm's process (read back in
+    its JSON line), not in the other arms'; a name the module lacks fails that arm alone, in one line."""
+    out = tmp_path / "ab.jsonl"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--set", "max_model_len=2048",
+                          "--arm", "base", "--arm", "wide:py.moeserve.ops.linear_triton.GEMV_MAX_N=1000000",
+                          "--arm", "typo:py.moeserve.ops.linear_triton.GEMV_MAX_M=1",
+                          "--arm", "other:py.os.sep=x",
+                          "--concurrency", "1", "--rounds", "1", "--runs", "1", "--prompt-len", "32",
+                          "--output-len", "8", "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["arm"] for r in rows] == ["base", "wide"]
+    assert "constants" not in rows[0]
+    assert rows[1]["constants"] == {"moeserve.ops.linear_triton.GEMV_MAX_N": "1000000"}
+    assert ("typo round 1: exit 1: decode_ab: --set py.moeserve.ops.linear_triton.GEMV_MAX_M=1: "
+            "'moeserve.ops.linear_triton' has no constant 'GEMV_MAX_M'") in run.stdout
+    assert "other round 1: exit 1: decode_ab: --set py.os.sep=x: only moeserve's modules take constants" in run.stdout
