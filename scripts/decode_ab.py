@@ -27,7 +27,8 @@ import json
 
 def set_module_constants(sets: list[str]) -> dict[str, str]:
     """Apply the ``py.MODULE.NAME=VALUE`` entries of ``sets`` (``VALUE`` read as YAML); returns ``{MODULE.NAME:
-    repr(value)}``. A module that does not import, or a name it does not have, is a ``ValueError`` naming it."""
+    repr(value)}``. A module outside moeserve, one that does not import, or a name it does not have is a
+    ``ValueError`` naming it."""
     from moeserve.config import parse_override
     done = {}
     for kv in sets:
