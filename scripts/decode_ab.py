@@ -25,17 +25,22 @@ import importlib
 import json
 
 
+def module_constants(sets: list[str]):
+    """The ``py.MODULE.NAME=VALUE`` entries of ``sets``: ``(entry, MODULE, NAME, VALUE read as YAML)`` each."""
+    from moeserve.config import parse_override
+    for kv in sets:
+        if kv.startswith("py."):
+            key, value = parse_override(kv[3:])
+            module, _, name = key.rpartition(".")
+            yield kv, module, name, value
+
+
 def set_module_constants(sets: list[str]) -> dict[str, str]:
-    """Apply the ``py.MODULE.NAME=VALUE`` entries of ``sets`` (``VALUE`` read as YAML); returns ``{MODULE.NAME:
+    """Apply the ``py.MODULE.NAME=VALUE`` entries of ``sets`` (:func:`module_constants`); returns ``{MODULE.NAME:
     repr(value)}``. A module outside moeserve, one that does not import, or a name it does not have is a
     ``ValueError`` naming it."""
-    from moeserve.config import parse_override
     done = {}
-    for kv in sets:
-        if not kv.startswith("py."):
-            continue
-        key, value = parse_override(kv[3:])
-        module, _, name = key.rpartition(".")
+    for kv, module, name, value in module_constants(sets):
         if not module.startswith("moeserve."):
             raise ValueError(f"--set {kv}: only moeserve's modules take constants, not {module!r}")
         try:
@@ -45,7 +50,7 @@ def set_module_constants(sets: list[str]) -> dict[str, str]:
         if not hasattr(mod, name):
             raise ValueError(f"--set {kv}: {module!r} has no constant {name!r}")
         setattr(mod, name, value)
-        done[key] = repr(value)
+        done[f"{module}.{name}"] = repr(value)
     return done
 
 
@@ -92,11 +97,8 @@ def main() -> int:
                      "e2e_runs_s": [round(m["e2e_s"], 4) for m in runs]})
         print(f"{args.label} c={c}: decode {row['decode_tok_s']:.1f} tok/s (TTFT {row['ttft_s'] * 1e3:.1f} ms, "
               f"end to end {row['e2e_s'] * 1e3:.1f} ms)", flush=True)
-    read_back = {}
-    for kv in args.set:
-        if kv.startswith("py."):
-            module, _, name = kv[3:].split("=", 1)[0].strip().rpartition(".")
-            read_back[f"{module}.{name}"] = repr(getattr(importlib.import_module(module), name))
+    read_back = {f"{module}.{name}": repr(getattr(importlib.import_module(module), name))
+                 for _, module, name, _ in module_constants(args.set)}
     print(json.dumps({"label": args.label, "rows": rows} | ({"constants": read_back} if read_back else {})))
     return 0
 
