@@ -44,8 +44,8 @@ class FlashInferNorm(NormBackend):
         """Whether :meth:`add_rmsnorm` of these rows runs the Triton kernel."""
         if not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= self.triton_max_tokens):
             return False
-        from moeserve.ops.norm_triton import MAX_HIDDEN
-        return x.shape[1] <= MAX_HIDDEN and x.stride(1) == 1 and residual.stride(1) == 1
+        from moeserve.ops import norm_triton
+        return norm_triton.takes(x, residual)
 
     @eager  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
     def _triton_add_rmsnorm(self, x, residual, weight, eps):

@@ -33,13 +33,19 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, H, eps, stride_x, stride_res, BLO
     tl.store(x_ptr + t * stride_x + cols, (x * rstd * w).to(x_ptr.dtype.element_ty), mask=mask)
 
 
+def takes(x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether :func:`add_rmsnorm` takes these ``[T, H]`` tensors: rows of at most :data:`MAX_HIDDEN` contiguous
+    elements."""
+    return x.shape[1] <= MAX_HIDDEN and x.stride(1) == 1 and residual.stride(1) == 1
+
+
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place, as FlashInfer's ``fused_add_rmsnorm``: ``residual += x``, then ``x = rmsnorm(residual) * weight``;
     returns ``(x, residual)``. ``x`` and ``residual`` ``[T, H]`` with contiguous rows, ``H`` at most
     :data:`MAX_HIDDEN`."""
     t, h = x.shape
-    if h > MAX_HIDDEN or x.stride(1) != 1 or residual.stride(1) != 1:
+    if not takes(x, residual):
         raise ValueError(f"add_rmsnorm: rows of at most {MAX_HIDDEN} contiguous elements, got {tuple(x.shape)}")
     if t:
         _add_rmsnorm_kernel[(t,)](x, residual, weight, h, float(eps), x.stride(0), residual.stride(0),
