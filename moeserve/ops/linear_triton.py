@@ -38,9 +38,11 @@ GEMV_MAX_N = 16384  # wider ones (the LM head) stay on cuBLAS: ~4.4 TB/s in a st
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr,
-                 EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
-    """``y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n])`` for ``m < M <= M_PAD``, float32 accumulation."""
-    wait_prior(PDL)
+                 EVEN_K: tl.constexpr, PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False):
+    """``y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n])`` for ``m < M <= M_PAD``, float32 accumulation. ``PRELOAD``:
+    the first weight tile is loaded before the PDL wait (nothing in a step writes the weights), ``x`` after it."""
+    if not PRELOAD:
+        wait_prior(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_n = (offs_n % N).to(tl.int64)  # past-the-end features re-read a valid row; their outputs are masked
@@ -50,7 +52,22 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # x^T tile [BLOCK_K, M_PAD]
     acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    k_first = 0
+    if PRELOAD:  # the first K tile: its weights before the wait, x after it; the loop takes the rest
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=(offs_k < K)[None, :], other=0.0)
+        wait_prior(PDL)
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+        else:
+            xt = tl.load(x_ptrs, mask=m_mask[None, :] & (offs_k < K)[:, None], other=0.0)
+        acc = tl.dot(w, xt, acc=acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        k_first = 1
+    for k in range(k_first, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             w = tl.load(w_ptrs)
             xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
@@ -70,18 +87,35 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
 @triton.jit
 def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False):
     """``y[n] = sum_k x[k] * w[n, k] (+ b[n])`` for one row of ``x``: the weight tile goes from global memory
     straight to registers and is multiplied elementwise, float32 partial sums per column reduced once at the
-    end (no shared memory and no 16-row padding, as :func:`_gemv_kernel`'s ``tl.dot`` needs)."""
-    wait_prior(PDL)
+    end (no shared memory and no 16-row padding, as :func:`_gemv_kernel`'s ``tl.dot`` needs). ``PRELOAD``: the
+    first weight tile is loaded before the PDL wait (with the built-in tiles of the output projection, the whole
+    K), ``x`` after it."""
+    if not PRELOAD:
+        wait_prior(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_n = (offs_n % N).to(tl.int64)  # past-the-end features re-read a valid row; their outputs are masked
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    k_first = 0
+    if PRELOAD:  # the first K tile: its weights before the wait, x after it; the loop takes the rest
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=(offs_k < K)[None, :], other=0.0)
+        wait_prior(PDL)
+        if EVEN_K:
+            x = tl.load(x_ptr + offs_k)
+        else:
+            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+        k_first = 1
+    for k in range(k_first, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             w = tl.load(w_ptrs)
             x = tl.load(x_ptr + k * BLOCK_K + offs_k)
@@ -134,6 +168,12 @@ def gemv_tiles(m: int, n: int, k: int) -> dict:
     return (gemv_row_config(n, k) if m == 1 else None) or gemv_config(n, k)
 
 
+def _preload(tiles: dict) -> dict:
+    """The kernel argument of tiles with ``"preload": True`` (none otherwise, so that the default kernels compile
+    as before)."""
+    return {"PRELOAD": True} if tiles.get("preload") else {}
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: dict | None = None) -> torch.Tensor:
     """``x @ weight^T (+ bias)`` for ``x`` ``[..., K]`` of at most :data:`GEMV_MAX_ROWS` rows, ``weight``
@@ -156,13 +196,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         _gemv_row_kernel[(triton.cdiv(n, c["BLOCK_N"]),)](
             x2, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
             BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], EVEN_K=k % c["BLOCK_K"] == 0, num_warps=c["num_warps"],
-            num_stages=c["num_stages"], **launch_kwargs(m))
+            num_stages=c["num_stages"], **_preload(c), **launch_kwargs(m))
         return y.reshape(*lead, n)
     grid = (triton.cdiv(n, c["BLOCK_N"]),)
     _gemv_kernel[grid](x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0), weight.stride(0),
                        y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
                        M_PAD=GEMV_MAX_ROWS, EVEN_K=k % c["BLOCK_K"] == 0, num_warps=c["num_warps"],
-                       num_stages=c["num_stages"], **launch_kwargs(m))
+                       num_stages=c["num_stages"], **_preload(c), **launch_kwargs(m))
     return y.reshape(*lead, n)
 
 

@@ -35,6 +35,20 @@ CPU_CASES = {
                                                      "num_stages": 1}),
     "row-M1-oddK": (1, 33, 100, False, torch.float16, {"row": True, "BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 2,
                                                        "num_stages": 3}),
+    # the first weight tile loaded before the PDL wait ("preload"): two K tiles (the second masked, or both full),
+    # and a K shorter than one tile (the loop after the first tile runs no iteration)
+    "M3-oddK-preload": (3, 33, 100, False, torch.float32, {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4,
+                                                           "num_stages": 2, "preload": True}),
+    "M4-evenK-preload": (4, 32, 128, True, torch.float32, {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4,
+                                                           "num_stages": 2, "preload": True}),
+    "M2-shortK-preload": (2, 40, 48, True, torch.float16, {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4,
+                                                           "num_stages": 2, "preload": True}),
+    "row-M1-oddK-preload": (1, 33, 100, False, torch.float16, {"row": True, "BLOCK_N": 8, "BLOCK_K": 64,
+                                                               "num_warps": 2, "num_stages": 3, "preload": True}),
+    "row-M1-evenK-preload": (1, 24, 128, False, torch.float32, {"row": True, "BLOCK_N": 8, "BLOCK_K": 64,
+                                                                "num_warps": 2, "num_stages": 3, "preload": True}),
+    "row-M1-wholeK-preload": (1, 40, 96, True, torch.float32, {"row": True, "BLOCK_N": 16, "BLOCK_K": 128,
+                                                               "num_warps": 4, "num_stages": 1, "preload": True}),
     "M1-builtin": (1, 48, 1024, False, torch.float32, None),
     # the built-in tiles (gemv_config) of a weight of at most 4,096 rows: BLOCK_K 512, 3 stages
     "M2-builtin-oddK": (2, 40, 1000, True, torch.float16, None),
@@ -128,6 +142,48 @@ def test_gemv_gpu_against_float32(name, dtype):
         ref = F.linear(x.float(), w.float(), None if b is None else b.float())
         err = float((y.float() - ref).abs().max() / ref.abs().max())
         assert y.dtype == dtype and err < HALF_REL_TOL, f"seed {SEED}: {name} M={m}: max relative error {err:.3g}"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name, m", [("qkv", 1), ("qkv", 4), ("o", 1)])
+def test_preloading_gemv_after_a_pdl_producer_in_a_cuda_graph(name, m):
+    """The GEMV with its first weight tile loaded before its PDL wait (``"preload"``; the one-row kernel for the
+    output projection's one row, :func:`_gemv_kernel` otherwise) right after a kernel that writes its input and
+    lets it start early (the Triton add + RMSNorm), in a CUDA graph replayed on new inputs: bit for bit the same
+    GEMV without the preload run eagerly on the norm's output, and float32's result within a rounding."""
+    from moeserve.ops import pdl
+    from moeserve.ops.linear_triton import gemv, gemv_tiles
+    from moeserve.ops.norm_triton import add_rmsnorm
+    n, k, bias = QWEN15_LINEARS[name]
+    tiles = {**gemv_tiles(m, n, k), "preload": True}
+    assert tiles.get("row", False) == (name == "o" and m == 1)
+    gen = torch.Generator(device="cuda").manual_seed(SEED + m)
+    w = (torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).bfloat16()
+    b = torch.randn(n, generator=gen, device="cuda").bfloat16() if bias else None
+    gamma = torch.rand(k, generator=gen, device="cuda").bfloat16() + 0.5
+    x, res = (torch.randn(m, k, generator=gen, device="cuda").bfloat16() for _ in range(2))
+    with pdl.enabled_as(m):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            gemv(add_rmsnorm(x.clone(), res.clone(), gamma, 1e-6)[0], w, b, tiles)  # compile outside the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=s):
+                out = gemv(add_rmsnorm(x, res, gamma, 1e-6)[0], w, b, tiles)
+        torch.cuda.current_stream().wait_stream(s)
+    for _ in range(3):
+        x0, r0 = (torch.randn(m, k, generator=gen, device="cuda").bfloat16() for _ in range(2))
+        x.copy_(x0)
+        res.copy_(r0)
+        graph.replay()
+        normed, _ = add_rmsnorm(x0.clone(), r0.clone(), gamma, 1e-6)
+        torch.testing.assert_close(x, normed, rtol=0, atol=0)
+        plain = {key: v for key, v in tiles.items() if key != "preload"}
+        torch.testing.assert_close(out, gemv(normed, w, b, plain), rtol=0, atol=0)
+        ref = F.linear(normed.float(), w.float(), None if b is None else b.float())
+        err = float((out.float() - ref).abs().max() / ref.abs().max())
+        assert err < HALF_REL_TOL, f"seed {SEED}: {name} M={m}: max relative error {err:.3g}"
 
 
 @gpu
