@@ -518,7 +518,7 @@ class MoECausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.lm_head)
+        logits = self.ops.linear.linear(hidden, self.lm_head)  # the Triton GEMV for one-token steps (PDL)
         p = self.ops.parallel
         if p.is_parallel:
             logits = p.all_gather(logits, dim=-1)[:, :self.arch.vocab_size]

@@ -7,8 +7,10 @@ walks the whole ``K`` of their weight rows, multiplying by every row of ``x`` at
 padded to 16); the bias is added in the epilogue. One-row steps of weights of at most 4,096 rows (the output
 projection) run a kernel without ``tl.dot`` (:func:`_gemv_row_kernel`, :func:`gemv_row_config`): a few rows a
 program, their tiles multiplied elementwise in registers, 1.2% faster at c=1. Steps of more than ``max_tokens``
-rows, weights narrower than ``GEMV_MIN_N`` (a router) or wider than ``GEMV_MAX_N`` (an LM head, which cuBLAS reads
-at the copy bandwidth) and other dtypes run ``F.linear``.
+rows, weights narrower than ``GEMV_MIN_N`` (a router) or wider than ``GEMV_MAX_N`` and other dtypes run
+``F.linear``. The LM head of one-token steps runs the GEMV too (``MoECausalLM.compute_logits`` goes through the
+linear backend): it launches under PDL, where cuBLAS started 4.5 us after the last norm ended, and c=1 decoded
+0.7% faster than with it on cuBLAS (docs/results/2026-12-04-h200-z2).
 
 Measured on an H200 (docs/results/2026-12-01-h200-b), with a first tile config (BLOCK_N 16): a c=1 decode
 step's GEMM time went from 1.44 ms (cuBLAS) to 1.57 ms (1.30 ms of it the GEMV, 96 launches), and decode
@@ -32,7 +34,8 @@ from moeserve.quant.fp8 import fp8_linear_reference
 
 GEMV_MAX_ROWS = 16  # rows of x one launch takes (tl.dot's smallest tile)
 GEMV_MIN_N = 256  # narrower weights (a router) leave most SMs idle in a GEMV: cuBLAS
-GEMV_MAX_N = 16384  # wider ones (the LM head) stay on cuBLAS: ~4.4 TB/s in a step (docs/results/2026-12-03-h200-r)
+GEMV_MAX_N = 1 << 18  # wider ones stay on cuBLAS; 16384 keeps the LM head (151,936 rows for Qwen) there
+ROW_PRELOAD = True  # the one-row tiles load their first weight tile before the PDL wait (gemv_row_config)
 
 
 @triton.jit
@@ -156,9 +159,17 @@ def gemv_row_config(n: int, k: int) -> dict | None:
     one-row kernel's 768 programs against 1.3 us into :func:`_gemv_kernel`'s 192; it ended 3.3 to 3.5 us later
     (+0.9% with both projections against +1.2% with the output projection's alone). So weights of more than
     4,096 rows keep :func:`_gemv_kernel`. Other weights of at most 4,096 rows take the same tiles, untimed (the
-    shared expert's down projection, K = 5632, which one-token steps run inside the fused MoE by default)."""
+    shared expert's down projection, K = 5632, which one-token steps run inside the fused MoE by default).
+
+    With :data:`ROW_PRELOAD` (the default) the tiles carry ``"preload"``: each program loads its weight tile (with
+    K = 2048, its whole share of the weight) before it waits for the decode attention under PDL, so the weights
+    stream while the attention runs; c=1 decoded 1.9% faster in three rounds of an A/B, c=8 the same
+    (docs/results/2026-12-04-h200-z2). The same preload in the QKV projection's :func:`_gemv_kernel`, after the
+    Triton add + RMSNorm, was 0.3% slower (and 1.4% faster with both, against 1.9% with the output's alone), so
+    :func:`gemv_config`'s tiles do not take it."""
     if n <= 4096:
-        return {"row": True, "BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 3}
+        tiles = {"row": True, "BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 3}
+        return {**tiles, "preload": True} if ROW_PRELOAD else tiles
     return None
 
 

@@ -233,7 +233,7 @@ def meta_moe_layer(plan, device: torch.device | None = None):
 
 def meta_linear_shapes(plan, fp: dict) -> list[tuple[int, int, bool, torch.dtype]]:
     """``(N, K, bias, dtype)`` of every distinct linear of the model (built on ``meta``) that runs through the
-    linear backend; ``fp``: the plan's Triton fingerprint (whether the shared expert is fused, and how much)."""
+    linear backend, the LM head among them; ``fp``: the plan's Triton fingerprint (whether the shared expert is fused, and how much)."""
     from moeserve.models.base import Linear
     from moeserve.models.layers import MoECausalLM
     from moeserve.ops.moe.torch_ref import TorchMoE
@@ -248,6 +248,7 @@ def meta_linear_shapes(plan, fp: dict) -> list[tuple[int, int, bool, torch.dtype
         if isinstance(mod, Linear) and mod.weight_scale_inv is None:
             n, k = mod.weight.shape
             shapes.add((n, k, mod.bias is not None, mod.weight.dtype))
+    shapes.add((*model.lm_head.shape, False, model.lm_head.dtype))  # compute_logits: the rank's vocabulary rows
     return sorted(shapes, key=str)
 
 

@@ -107,10 +107,49 @@ def test_backend_takes_only_small_half_precision_cuda_steps():
     lin = TritonLinear(torch.device("cpu"), torch.float32, max_tokens=8)
     x, w, b = torch.randn(2, 16), torch.randn(8, 16), torch.randn(8)
     assert not lin.takes(x, w)
-    bf = torch.bfloat16  # the shapes it would take on a GPU: not the router (64 rows) nor the LM head
+    bf = torch.bfloat16  # the shapes it would take on a GPU: the LM head too, not the router (64 rows)
     assert lin.takes_shape(1, 6144, bf, bf) and not lin.takes_shape(1, 64, bf, bf)
-    assert not lin.takes_shape(1, 151936, bf, bf) and not lin.takes_shape(9, 6144, bf, bf)
+    assert lin.takes_shape(1, 151936, bf, bf) and not lin.takes_shape(9, 6144, bf, bf)
     assert torch.equal(lin.linear(x, w, b), F.linear(x, w, b))
+
+
+def test_one_row_tiles_preload_their_weights_and_the_dot_tiles_do_not(monkeypatch):
+    """The output projection's one-row tiles load their weights before the PDL wait (``ROW_PRELOAD``, measured
+    faster); the QKV projection's and the LM head's :func:`_gemv_kernel` tiles do not (the QKV preload measured
+    slower); ``ROW_PRELOAD = False`` gives the one-row tiles without it."""
+    from moeserve.ops import linear_triton
+    assert linear_triton.gemv_tiles(1, 2048, 2048) == {"row": True, "BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 4,
+                                                        "num_stages": 3, "preload": True}
+    for m, n in ((1, 6144), (1, 151936), (4, 2048)):
+        assert "preload" not in linear_triton.gemv_tiles(m, n, 2048), (m, n)
+    monkeypatch.setattr(linear_triton, "ROW_PRELOAD", False)
+    assert "preload" not in linear_triton.gemv_tiles(1, 2048, 2048)
+
+
+def test_the_lm_head_goes_through_the_linear_backend():
+    """``compute_logits`` hands the LM head to the linear backend (the GEMV for one-token steps on a GPU), and
+    its logits are ``F.linear``'s in float32."""
+    from moeserve.config import make_config
+    from moeserve.models.layers import MoECausalLM, Ops
+    from moeserve.ops.linear import TorchLinear
+    from moeserve.plan import resolve_plan
+    plan = resolve_plan(make_config(model="tiny", device="cpu", dtype="float32"))
+    seen = []
+
+    class Spy(TorchLinear):
+        def linear(self, x, weight, bias=None):
+            seen.append(tuple(weight.shape))
+            return super().linear(x, weight, bias)
+
+    cls, dev = plan.backend_class, plan.device
+    ops = Ops(linear=Spy(dev, plan.dtype), norm=cls("norm")(), activation=cls("activation")(),
+              moe=cls("moe")(dev, plan.dtype), rope_cls=cls("rope"), parallel=plan.parallel)
+    model = MoECausalLM(plan.arch, ops, plan.dtype, dev)
+    torch.nn.init.normal_(model.lm_head)
+    hidden = torch.randn(3, plan.arch.hidden_size)
+    logits = model.compute_logits(hidden)
+    assert seen == [(plan.arch.vocab_size, plan.arch.hidden_size)]
+    assert logits.dtype == torch.float32 and torch.equal(logits, F.linear(hidden, model.lm_head).float())
 
 
 # ---------------------------------------------------------------- GPU
@@ -119,7 +158,7 @@ gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # Qwen1.5-MoE-A2.7B's dense linears: (N, K, bias)
 QWEN15_LINEARS = {"qkv": (6144, 2048, True), "o": (2048, 2048, False), "shared_gate_up": (11264, 2048, False),
-                  "shared_down": (2048, 5632, False), "router": (64, 2048, False)}
+                  "shared_down": (2048, 5632, False), "router": (64, 2048, False), "lm_head": (151936, 2048, False)}
 
 
 @gpu

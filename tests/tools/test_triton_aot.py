@@ -64,6 +64,8 @@ def test_dry_run_lists_the_triton_kernels_of_the_bench_configuration(tmp_path):
     row_lines = [line for line in text.splitlines() if "_gemv_row_kernel" in line]
     assert any("HAS_BIAS=True" in line for line in gemv_lines), gemv_lines
     assert any("BLOCK_N=4 BLOCK_K=2048" in line for line in row_lines), row_lines
+    assert all("PRELOAD=True" in line for line in row_lines), row_lines  # weights before the PDL wait
+    assert not any("PRELOAD" in line for line in gemv_lines), gemv_lines
 
 
 def test_built_kernels_serve_every_launch_from_disk_after_the_cache_moves(tmp_path):
@@ -77,9 +79,12 @@ def test_built_kernels_serve_every_launch_from_disk_after_the_cache_moves(tmp_pa
     assert "_moe_align_kernel" not in names
     manifest = json.loads((tmp_path / "built" / "triton" / "manifest.json").read_text())
     # each kernel names the MoE step size that first launches it: the sizes the engine warms at start
-    sizes = [e["tokens"] for e in config["entries"]]
+    # (the one-row GEMV, which the tiny model's LM head of 512 rows runs in one-token steps, belongs to no MoE
+    # step: None)
+    sizes = [e["tokens"] for e in config["entries"] if e["kernel"] != "_gemv_row_kernel"]
     assert sizes[0] == 1 and all(isinstance(t, int) and 1 <= t <= 24 for t in sizes)
-    assert sorted(set(sizes)) == sorted({e["tokens"] for e in manifest["configs"][-1]["entries"]})
+    assert [e["tokens"] for e in config["entries"] if "gemv" in e["kernel"]] == [None]
+    assert sorted(set(sizes)) == sorted({e["tokens"] for e in manifest["configs"][-1]["entries"]} - {None})
     assert manifest["target_python"] == triton_aot.python_tag()
     assert manifest["triton_key_sha256"] == triton_cache.triton_key_digest()
     shutil.copytree(tmp_path / "built", tmp_path / "moved")
@@ -167,6 +172,22 @@ def test_the_add_norm_kernel_is_listed_for_small_steps_with_the_flashinfer_norm(
         assert norm_entries(**kw) == (0, []), kw
 
 
+def test_the_lm_head_is_among_the_gemv_shapes_precompile_builds(monkeypatch):
+    """``compute_logits`` runs the LM head through the linear backend, so the GEMV of one-token steps covers its
+    ``[vocab, hidden]`` weight (151,936 x 2,048 for Qwen1.5-MoE) and ``precompile`` builds it; ``GEMV_MAX_N``
+    below the vocabulary leaves it to cuBLAS."""
+    import torch
+    from moeserve.ops import linear_triton
+    plan = plan_for_arch(make_config(model="qwen1.5-moe-a2.7b", dtype="bfloat16", max_num_batched_tokens=32,
+                                     max_num_seqs=32), "9.0a")
+    shapes = triton_aot.meta_linear_shapes(plan, plan.triton_fingerprint(H200[1]))
+    assert (151936, 2048, False, torch.bfloat16) in shapes, shapes
+    lin = linear_triton.TritonLinear(torch.device("meta"), torch.bfloat16, max_tokens=1)
+    assert lin.takes_shape(1, 151936, torch.bfloat16, torch.bfloat16)
+    monkeypatch.setattr(linear_triton, "GEMV_MAX_N", 16384)
+    assert not lin.takes_shape(1, 151936, torch.bfloat16, torch.bfloat16)
+
+
 def test_the_qkv_kernel_compiles_for_sm90_with_gqa_and_qk_norm(tmp_path):
     """Qwen3-MoE's attention (32 query heads over 4 kv heads, per-head q/k norms): the kernel compiles for the H200
     (the interpreter runs it without Triton's type checks, so a compile is its own test)."""
@@ -225,7 +246,7 @@ def test_allow_jit_false_refuses_an_uncovered_configuration_and_a_missing_kernel
     fp = plan.triton_fingerprint(H200[1])
     summary = triton_cache.use_triton_cache(tmp_path, fp, allow_jit=False)
     assert summary["kernels"] == len(config["entries"])
-    assert triton_cache.warm_step_sizes() == sorted({e["tokens"] for e in config["entries"]})
+    assert triton_cache.warm_step_sizes() == sorted({e["tokens"] for e in config["entries"]} - {None})
     bigger = tiny_plan(max_tokens=64).triton_fingerprint(H200[1])
     with pytest.raises(triton_cache.TritonCacheError, match="holds no Triton kernels for .*max_tokens=64"):
         triton_cache.use_triton_cache(tmp_path, bigger, allow_jit=False)
