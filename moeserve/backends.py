@@ -93,13 +93,13 @@ SPECS: dict[str, list[BackendSpec]] = {
                                  dtypes=("bfloat16",)),
                     "FlashInfer SM90 FP8 block-scale GEMM (fp8_blockscale_gemm_sm90), bf16 activations",
                     "moeserve.ops.linear:flashinfer_modules"),
-        # before torch: on a GPU auto takes the Triton GEMV for one-token steps (linear_gemv_max_tokens), cuBLAS
-        # for every other step and for the LM head; on an H200 1.9% faster than cuBLAS at c=1 in one A/B
+        # before torch: on a GPU auto takes the Triton GEMV for one-token steps (linear_gemv_max_tokens), the LM
+        # head included, cuBLAS for every other step; on an H200 1.9% faster than cuBLAS at c=1 in one A/B
         BackendSpec("linear", "triton", "moeserve.ops.linear_triton:TritonLinear",
                     Requirements(cuda=True, min_capability=(8, 0), packages=("triton",), quantization=("none",),
                                  dtypes=_HALF),
-                    "moeserve's Triton GEMV for steps of at most linear_gemv_max_tokens tokens (default 1), cuBLAS "
-                    "above and for the LM head"),
+                    "moeserve's Triton GEMV for steps of at most linear_gemv_max_tokens tokens (default 1), the LM "
+                    "head included; cuBLAS above"),
         BackendSpec("linear", "torch", "moeserve.ops.linear:TorchLinear", Requirements(),
                     "torch matmul (cuBLAS on GPU)"),
     ],
