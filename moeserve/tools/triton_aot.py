@@ -195,14 +195,15 @@ def tuned_tables_for(device_name: str):
         clear()
 
 
-def _meta_ops(plan, moe, device: torch.device | None = None):
+def _meta_ops(plan, moe, device: torch.device | None = None, parallel=None):
     """The torch reference operators on ``meta`` (or ``device``; the linears run through the torch backend)
-    with ``moe``."""
+    with ``moe``; ``parallel``: the rank whose shapes the model takes (one rank when None)."""
     from moeserve.models.layers import Ops
     from moeserve.ops.basic import TorchActivation, TorchNorm, TorchRope
     from moeserve.ops.linear import TorchLinear
+    extra = {} if parallel is None else {"parallel": parallel}
     return Ops(linear=TorchLinear(device or torch.device("meta"), plan.dtype), norm=TorchNorm(),
-               activation=TorchActivation(), moe=moe, rope_cls=TorchRope, quantization=plan.quantization)
+               activation=TorchActivation(), moe=moe, rope_cls=TorchRope, quantization=plan.quantization, **extra)
 
 
 def meta_moe_layer(plan, device: torch.device | None = None):
@@ -239,7 +240,9 @@ def meta_linear_shapes(plan, fp: dict) -> list[tuple[int, int, bool, torch.dtype
     from moeserve.ops.moe.torch_ref import TorchMoE
     meta, dtype = torch.device("meta"), plan.dtype
     shapes = set()
-    model = MoECausalLM(plan.arch, _meta_ops(plan, TorchMoE(meta, dtype)), dtype, meta)
+    # built as the plan's first rank: with tensor parallelism each rank's linears are its split (an output
+    # projection of K / tp columns, an LM head of its vocabulary rows), and every rank's split has the same shape
+    model = MoECausalLM(plan.arch, _meta_ops(plan, TorchMoE(meta, dtype), parallel=plan.parallel), dtype, meta)
     if fp["fuse_shared_expert"]:  # the shared expert's rows that stay apart are a linear of their own shape
         for block in model.moe_blocks():
             block.fuse_shared_expert(fp.get("fuse_shared_expert_pieces", 0),

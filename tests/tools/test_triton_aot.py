@@ -188,6 +188,24 @@ def test_the_lm_head_is_among_the_gemv_shapes_precompile_builds(monkeypatch):
     assert not lin.takes_shape(1, 151936, torch.bfloat16, torch.bfloat16)
 
 
+def test_tensor_parallel_plans_build_the_gemvs_of_a_ranks_split(tmp_path):
+    """With ``tensor_parallel_size: 2`` each rank's linears are its split: the QKV projection's 3,072 rows (which
+    one-row steps run through the one-row kernel, with its bias), the output projection's 1,024 columns (not a
+    whole K tile: ``EVEN_K=False``), the LM head's 75,968 vocabulary rows; ``precompile`` lists those kernels and
+    not the one-rank shapes' (the QKV projection through ``_gemv_kernel``)."""
+    import torch
+    plan = plan_for_arch(make_config(model="qwen1.5-moe-a2.7b", dtype="bfloat16", max_num_batched_tokens=32,
+                                     max_num_seqs=32, tensor_parallel_size=2), "9.0a")
+    shapes = triton_aot.meta_linear_shapes(plan, plan.triton_fingerprint(H200[1]))
+    bf = torch.bfloat16
+    assert {(3072, 2048, True, bf), (2048, 1024, False, bf), (75968, 2048, False, bf)} <= set(shapes), shapes
+    assert (6144, 2048, True, bf) not in shapes and (151936, 2048, False, bf) not in shapes
+    listed = [k for k in triton_aot.list_kernels(plan, *H200, tmp_path) if "gemv" in k["name"]]
+    consts = {(k["name"], k["constants"].get("HAS_BIAS"), k["constants"].get("EVEN_K")) for k in listed}
+    assert consts == {("_gemv_row_kernel", "True", "True"), ("_gemv_row_kernel", "False", "False"),
+                      ("_gemv_kernel", "False", "True")}, consts
+
+
 def test_the_qkv_kernel_compiles_for_sm90_with_gqa_and_qk_norm(tmp_path):
     """Qwen3-MoE's attention (32 query heads over 4 kv heads, per-head q/k norms): the kernel compiles for the H200
     (the interpreter runs it without Triton's type checks, so a compile is its own test)."""
