@@ -9,8 +9,8 @@ projection) run a kernel without ``tl.dot`` (:func:`_gemv_row_kernel`, :func:`ge
 program, their tiles multiplied elementwise in registers, 1.2% faster at c=1. Steps of more than ``max_tokens``
 rows, weights narrower than ``GEMV_MIN_N`` (a router) or wider than ``GEMV_MAX_N`` and other dtypes run
 ``F.linear``. The LM head of one-token steps runs the GEMV too (``MoECausalLM.compute_logits`` goes through the
-linear backend): it launches under PDL, where cuBLAS started 4.5 us after the last norm ended, and c=1 decoded
-0.7% faster than with it on cuBLAS (docs/results/2026-12-04-h200-z2).
+linear backend): it launches under PDL, 1.6 us after the last norm starts where cuBLAS started 6.6 us after it,
+and c=1 decoded 0.6% to 0.7% faster than with it on cuBLAS (docs/results/2026-12-04-h200-z2).
 
 Measured on an H200 (docs/results/2026-12-01-h200-b), with a first tile config (BLOCK_N 16): a c=1 decode
 step's GEMM time went from 1.44 ms (cuBLAS) to 1.57 ms (1.30 ms of it the GEMV, 96 launches), and decode

@@ -234,7 +234,8 @@ def meta_moe_layer(plan, device: torch.device | None = None):
 
 def meta_linear_shapes(plan, fp: dict) -> list[tuple[int, int, bool, torch.dtype]]:
     """``(N, K, bias, dtype)`` of every distinct linear of the model (built on ``meta``) that runs through the
-    linear backend, the LM head among them; ``fp``: the plan's Triton fingerprint (whether the shared expert is fused, and how much)."""
+    linear backend, the LM head among them; ``fp``: the plan's Triton fingerprint (whether the shared expert is
+    fused, and how much)."""
     from moeserve.models.base import Linear
     from moeserve.models.layers import MoECausalLM
     from moeserve.ops.moe.torch_ref import TorchMoE
