@@ -169,7 +169,8 @@ class RuntimePlan:
 
     def triton_fingerprint(self, device_name: str) -> dict:
         """What decides the Triton kernels this plan launches (``moeserve.kernel_cache.triton_cache``): the MoE
-        shapes, routing, dtypes, the largest step, the GPU's tuned-config name and the kernels' source."""
+        shapes, routing, dtypes, the tensor-parallel split, the largest step, the GPU's tuned-config name and the
+        kernels' source."""
         from moeserve.ops.moe.routing_triton import METHODS
         m = self.arch
         moe = self.backends["moe"].name == "triton"
@@ -200,6 +201,8 @@ class RuntimePlan:
                 "shared_gate": ("router" if not m.router_fp32 else "linear") if gated else None,
                 "router_dtype": "float32" if m.router_fp32 else str(self.dtype).removeprefix("torch."),
                 "dtype": str(self.dtype).removeprefix("torch."), "quantization": self.quantization,
+                # a rank's linears are its split (moeserve.tools.triton_aot.meta_linear_shapes)
+                "tensor_parallel_size": self.parallel.tp_size,
                 "device_name": device_name, "code": triton_source_digest(), "max_tokens": self.max_step_tokens}
 
 

@@ -204,6 +204,14 @@ def test_tensor_parallel_plans_build_the_gemvs_of_a_ranks_split(tmp_path):
     consts = {(k["name"], k["constants"].get("HAS_BIAS"), k["constants"].get("EVEN_K")) for k in listed}
     assert consts == {("_gemv_row_kernel", "True", "True"), ("_gemv_row_kernel", "False", "False"),
                       ("_gemv_kernel", "False", "True")}, consts
+    # the fingerprint tells the split apart, so one cache directory holds the TP=1 and TP=2 lists side by side
+    # (Qwen3-MoE: no shared expert, whose fusing one rank only would tell them apart too)
+    fp1, fp2 = (plan_for_arch(make_config(model="qwen3-30b-a3b", dtype="bfloat16", max_num_batched_tokens=32,
+                                          max_num_seqs=32, tensor_parallel_size=tp), "9.0a").triton_fingerprint(H200[1])
+                for tp in (1, 2))
+    assert (fp1["tensor_parallel_size"], fp2["tensor_parallel_size"]) == (1, 2)
+    assert {k: v for k, v in fp1.items() if k != "tensor_parallel_size"} == \
+        {k: v for k, v in fp2.items() if k != "tensor_parallel_size"}
 
 
 def test_the_qkv_kernel_compiles_for_sm90_with_gqa_and_qk_norm(tmp_path):
