@@ -1,4 +1,5 @@
-"""Small random Hugging Face MoE checkpoints, written with transformers' own classes, for the tests."""
+"""Small random Hugging Face MoE checkpoints, written with transformers' own classes, for the tests; and moeserve's
+model built on a plan's backends (:func:`plan_model`)."""
 from __future__ import annotations
 
 import torch
@@ -63,3 +64,13 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 @torch.no_grad()
 def hf_logits(model, tokens: list[int]) -> torch.Tensor:
     return model(torch.tensor([tokens])).logits[0].float()
+
+
+def plan_model(plan, linear=None):
+    """moeserve's ``MoECausalLM`` for ``plan`` (its rank, on its device) on the plan's backends, ``linear`` in place
+    of the plan's linear backend when given; no engine, no process group."""
+    from moeserve.models.layers import MoECausalLM, Ops
+    cls, dev = plan.backend_class, plan.device
+    ops = Ops(linear=linear or cls("linear")(dev, plan.dtype), norm=cls("norm")(), activation=cls("activation")(),
+              moe=cls("moe")(dev, plan.dtype), rope_cls=cls("rope"), parallel=plan.parallel)
+    return MoECausalLM(plan.arch, ops, plan.dtype, dev)

@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import moeserve.weights as weights_mod
-from hf_models import make_checkpoint
+from hf_models import make_checkpoint, plan_model
 from moeserve.config import ConfigError, make_config
-from moeserve.models.layers import MoECausalLM, Ops
+from moeserve.models.layers import MoECausalLM
 from moeserve.models.parallel import Shard, check_parallel, padded_vocab
 from moeserve.plan import resolve_plan
 from moeserve.weights import WeightError, load_checkpoint, read_part
@@ -55,11 +55,7 @@ def rank_model(path, rank: int, expert_parallel: bool) -> MoECausalLM:
     """Rank ``rank`` of 2's model (torch backends), built without a process group: loading needs none."""
     cfg = make_config(model=str(path), device="cpu", dtype="float32", tensor_parallel_size=2,
                       enable_expert_parallel=expert_parallel)
-    plan = resolve_plan(cfg, rank=rank)
-    cls, dev = plan.backend_class, plan.device
-    ops = Ops(linear=cls("linear")(dev, plan.dtype), norm=cls("norm")(), activation=cls("activation")(),
-              moe=cls("moe")(dev, plan.dtype), rope_cls=cls("rope"), parallel=plan.parallel)
-    return MoECausalLM(plan.arch, ops, plan.dtype, dev)
+    return plan_model(resolve_plan(cfg, rank=rank))
 
 
 def spied_load(monkeypatch, model, path) -> list:

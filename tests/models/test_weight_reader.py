@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hf_models import make_checkpoint
+from hf_models import make_checkpoint, plan_model
 from moeserve.weight_reader import ByteReader, ReadError, read_header
 from moeserve.weights import load_checkpoint
 
@@ -73,13 +73,8 @@ def test_a_file_shorter_than_its_header_is_named(tmp_path):
 
 def build(path):
     from moeserve.config import EngineConfig
-    from moeserve.models.layers import MoECausalLM, Ops
     from moeserve.plan import resolve_plan
-    plan = resolve_plan(EngineConfig(model=str(path), device="cpu", dtype="float32"))
-    cls, dev = plan.backend_class, plan.device
-    ops = Ops(linear=cls("linear")(dev, plan.dtype), norm=cls("norm")(), activation=cls("activation")(),
-              moe=cls("moe")(dev, plan.dtype), rope_cls=cls("rope"), parallel=plan.parallel)
-    return MoECausalLM(plan.arch, ops, plan.dtype, dev)
+    return plan_model(resolve_plan(EngineConfig(model=str(path), device="cpu", dtype="float32")))
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])

@@ -129,8 +129,8 @@ def test_one_row_tiles_preload_their_weights_and_the_dot_tiles_do_not(monkeypatc
 def test_the_lm_head_goes_through_the_linear_backend():
     """``compute_logits`` hands the LM head to the linear backend (the GEMV for one-token steps on a GPU), and
     its logits are ``F.linear``'s in float32."""
+    from hf_models import plan_model
     from moeserve.config import make_config
-    from moeserve.models.layers import MoECausalLM, Ops
     from moeserve.ops.linear import TorchLinear
     from moeserve.plan import resolve_plan
     plan = resolve_plan(make_config(model="tiny", device="cpu", dtype="float32"))
@@ -141,10 +141,7 @@ def test_the_lm_head_goes_through_the_linear_backend():
             seen.append(tuple(weight.shape))
             return super().linear(x, weight, bias)
 
-    cls, dev = plan.backend_class, plan.device
-    ops = Ops(linear=Spy(dev, plan.dtype), norm=cls("norm")(), activation=cls("activation")(),
-              moe=cls("moe")(dev, plan.dtype), rope_cls=cls("rope"), parallel=plan.parallel)
-    model = MoECausalLM(plan.arch, ops, plan.dtype, dev)
+    model = plan_model(plan, linear=Spy(plan.device, plan.dtype))
     torch.nn.init.normal_(model.lm_head)
     hidden = torch.randn(3, plan.arch.hidden_size)
     logits = model.compute_logits(hidden)
