@@ -35,11 +35,10 @@ def module_constants(sets: list[str]):
             yield kv, module, name, value
 
 
-def set_module_constants(sets: list[str]) -> dict[str, str]:
-    """Apply the ``py.MODULE.NAME=VALUE`` entries of ``sets`` (:func:`module_constants`); returns ``{MODULE.NAME:
-    repr(value)}``. A module outside moeserve, one that does not import, or a name it does not have is a
+def set_module_constants(sets: list[str]) -> None:
+    """Apply the ``py.MODULE.NAME=VALUE`` entries of ``sets`` (:func:`module_constants`; ``main`` reads them back
+    after the run). A module outside moeserve, one that does not import, or a name it does not have is a
     ``ValueError`` naming it."""
-    done = {}
     for kv, module, name, value in module_constants(sets):
         if not module.startswith("moeserve."):
             raise ValueError(f"--set {kv}: only moeserve's modules take constants, not {module!r}")
@@ -50,8 +49,6 @@ def set_module_constants(sets: list[str]) -> dict[str, str]:
         if not hasattr(mod, name):
             raise ValueError(f"--set {kv}: {module!r} has no constant {name!r}")
         setattr(mod, name, value)
-        done[f"{module}.{name}"] = repr(value)
-    return done
 
 
 def build_llm(model: str, sets: list[str]):
