@@ -55,10 +55,11 @@ def moe_combine_add_norm_kernel(down_ptr, shared_ptr, gate_ptr, res_ptr, w_ptr, 
                                 stride_shared, stride_gate, stride_res, stride_out, TOP_K: tl.constexpr,
                                 HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr,
                                 PDL: tl.constexpr = False):
-    wait_prior(PDL)
-    t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # before the wait: no kernel of a step writes it
+    wait_prior(PDL)
+    t = tl.program_id(0).to(tl.int64)
     acc = _combined(down_ptr, shared_ptr, gate_ptr, t, cols, mask, stride_down, stride_shared, stride_gate, TOP_K,
                     HAS_SHARED, HAS_GATE, BLOCK)
     dtype = out_ptr.dtype.element_ty
@@ -66,7 +67,6 @@ def moe_combine_add_norm_kernel(down_ptr, shared_ptr, gate_ptr, res_ptr, w_ptr, 
     x = acc.to(dtype).to(tl.float32) + tl.load(res_ptr + t * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(res_ptr + t * stride_res + cols, x.to(dtype), mask=mask)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_out + cols, (x * rstd * w).to(dtype), mask=mask)
 
 
