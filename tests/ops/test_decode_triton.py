@@ -49,6 +49,7 @@ def _num_splits(spec, sms):
 
 def _interpreter_worker(in_path: str, out_path: str) -> None:
     patch_for_numpy()
+    from moeserve.ops.attention import decode_triton
     from moeserve.ops.attention.decode_triton import DecodeWorkspace, qkv_decode_attention
     out = {}
     for (name, sms), (args, scale) in torch.load(in_path).items():
@@ -58,11 +59,17 @@ def _interpreter_worker(in_path: str, out_path: str) -> None:
         # 16 keys per iteration: several splits hold keys; then the default tile on a fresh copy of the cache
         o = qkv_decode_attention(*args[:6], cache, *args[8:], eps=1e-6, scale=scale, workspace=ws, block=16)
         o64 = qkv_decode_attention(*args[:6], args[6].clone(), *args[8:], eps=1e-6, scale=scale, workspace=ws)
+        # the new token's key and value read after the cached keys (NEW_EARLY off), on a fresh copy of the cache
+        decode_triton.NEW_EARLY = not decode_triton.NEW_EARLY
+        late_cache = args[6].clone()
+        late = qkv_decode_attention(*args[:6], late_cache, *args[8:], eps=1e-6, scale=scale, workspace=ws, block=16)
+        decode_triton.NEW_EARLY = not decode_triton.NEW_EARLY
         # again on the same workspace (the counters must be back at zero), into a given buffer
         buf = torch.full((o.shape[0] + 2, hq, d), float("nan"))
         again = qkv_decode_attention(*args[:6], args[6].clone(), *args[8:], eps=1e-6, scale=scale, workspace=ws,
                                      out=buf[:o.shape[0]], block=16)
-        out[(name, sms)] = (o, o64, cache, buf, again.data_ptr() == buf.data_ptr(), ws.counter.clone())
+        out[(name, sms)] = (o, o64, cache, buf, again.data_ptr() == buf.data_ptr(), ws.counter.clone(), late,
+                            late_cache)
     torch.save(out, out_path)
 
 
@@ -83,7 +90,7 @@ def test_decode_kernel_matches_the_reference_under_the_interpreter(interpreted, 
     from moeserve.ops.attention.decode_triton import decode_attention_reference
     inputs, outputs = interpreted
     args, scale = inputs[(name, sms)]
-    o, o64, cache, buf, in_place, counter = outputs[(name, sms)]
+    o, o64, cache, buf, in_place, counter, late, late_cache = outputs[(name, sms)]
     t = args[0].shape[0]
     ref_cache = args[6].clone()
     ref = decode_attention_reference(*args[:6], ref_cache, *args[8:], eps=1e-6, scale=scale)
@@ -91,6 +98,9 @@ def test_decode_kernel_matches_the_reference_under_the_interpreter(interpreted, 
     torch.testing.assert_close(o, ref, **FP32_TOL, msg=lambda m: f"seed {SEED}, {name}, sms {sms}: out: {m}")
     torch.testing.assert_close(o64, ref, **FP32_TOL, msg=lambda m: f"seed {SEED}, {name}, sms {sms}: 64 keys: {m}")
     torch.testing.assert_close(cache, ref_cache, **FP32_TOL, msg=lambda m: f"seed {SEED}: cache: {m}")
+    # both places of the new token's reads (decode_triton.NEW_EARLY): the same output and cache
+    torch.testing.assert_close(late, o, **FP32_TOL, msg=lambda m: f"seed {SEED}, {name}, sms {sms}: late: {m}")
+    assert torch.equal(late_cache, cache), "the new key and value must reach the same slots either way"
     assert not torch.equal(cache, args[6]), "no key was written"
     assert in_place and torch.equal(buf[:t], o) and buf[t:].isnan().all(), "out= must get the output, nothing past it"
     assert not counter.any(), "every (token, head) counter must be back at zero"

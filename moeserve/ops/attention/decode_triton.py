@@ -15,7 +15,10 @@ the kernel can be replayed in a CUDA graph. The split count depends only on the 
 (:func:`num_splits`), so a captured graph keeps it. Under programmatic dependent launch a program loads its range
 and its first block of cached keys and values before it waits for the QKV projection (no kernel of the step writes
 them), so those loads overlap the projection; a one-token step on an H200 ended its attention 5.6 µs after the
-projection where it took 8.6 µs when it waited first.
+projection where it took 8.6 µs when it waited first. After the wait the program whose split holds the new token
+reads that token's key and value with q, before it attends over its cached keys (``NEW_EARLY``), not after them:
+one round trip to L2 less on the path of the step's last split; c=1 decoded 0.4% faster on an H200 (two rounds,
+docs/results/2026-12-04-h200-z3).
 
 Decode only: every token is its request's last (``kv_positions[t] + 1`` keys). Numerics follow the unfused
 path: q and the new k rounded to the cache dtype after the rotation as the QKV kernel rounds them, scores and
@@ -31,13 +34,14 @@ import triton
 import triton.language as tl
 
 from moeserve.ops.attention import decode_kernel_takes_rotary
-from moeserve.ops.attention.qkv_triton import (_norm_rope_heads, _store_heads, check_qkv_inputs,
-                                               qkv_rope_append_reference)
+from moeserve.ops.attention.qkv_triton import (_load_heads, _norm_rope, _norm_rope_heads, _store_heads,
+                                               check_qkv_inputs, qkv_rope_append_reference)
 from moeserve.ops.pdl import launch_kwargs
 from moeserve.ops.pdl_triton import wait_prior
 
 MAX_SPLITS = 16
 BLOCK_N = 64  # keys per iteration (four pages of 16)
+NEW_EARLY = True  # the new token's key and value loaded with q, right after the wait (False: after the cached keys)
 LOG2E = 1.4426950408889634
 
 
@@ -97,24 +101,35 @@ def _attend_keys(q1, q2, qr, k1, k2, kr, v, nm, m_i, l_i, acc, scale_log2, HAS_R
 
 
 @triton.jit
-def _attend_new(q1, q2, qr, src, cos, sin, k_norm_ptr, eps, cache_ptr, kv_indices_ptr, first_page, kv_pos, h,
-                stride_page, stride_kv, stride_slot, stride_head, scale_log2, m_i, l_i, acc, HQ: tl.constexpr,
-                HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, PAGE: tl.constexpr, D_PAD: tl.constexpr,
-                HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, QK_NORM: tl.constexpr, CACHE: tl.constexpr):
-    """The running ``(max, sum, unnormalised output)`` after the newest key (position ``kv_pos``) of kv head
-    ``h``, taken from the QKV row ``src`` (``CACHE``: its loads' cache modifier), normed, rotated and written
-    into its cache slot with its value, and attended from registers."""
+def _load_new(src, h, has, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
+              D_PAD: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, CACHE: tl.constexpr):
+    """The newest key of kv head ``h`` as loaded from the QKV row ``src`` (``_load_heads``' halves and rest, rows
+    ``[2, *]``, row 1 masked to zero) and its value ``[2, D_PAD]``; nothing is read where ``has`` is false."""
+    dd = tl.arange(0, D_PAD)
+    one = tl.arange(0, 2)
+    om = (one < 1) & has
+    kh = h + one
+    kx1, kx2, kxr = _load_heads(src + HQ * D, kh, om, HALF_PAD, REST_PAD, D, ROT, CACHE)
+    vn = tl.load(src + (HQ + HKV) * D + kh[:, None] * D + dd[None, :], mask=om[:, None] & (dd[None, :] < D),
+                 other=0.0, cache_modifier=CACHE)
+    return kx1, kx2, kxr, vn
+
+
+@triton.jit
+def _attend_loaded_new(q1, q2, qr, kx1, kx2, kxr, vn, page, cos, sin, k_norm_ptr, eps, cache_ptr, kv_pos, h,
+                       stride_page, stride_kv, stride_slot, stride_head, scale_log2, m_i, l_i, acc, D: tl.constexpr,
+                       ROT: tl.constexpr, PAGE: tl.constexpr, D_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+                       REST_PAD: tl.constexpr, QK_NORM: tl.constexpr):
+    """The running ``(max, sum, unnormalised output)`` after the newest key (position ``kv_pos``, on page
+    ``page``) of kv head ``h``, given as :func:`_load_new` loaded it with its value: normed, rotated and written into
+    its cache slot with its value, and attended from registers."""
     HAS_REST: tl.constexpr = ROT < D
     cdt = cache_ptr.dtype.element_ty
     dd = tl.arange(0, D_PAD)
     one = tl.arange(0, 2)
     om = one < 1
     kh = h + one
-    k1n, k2n, krn = _norm_rope_heads(src + HQ * D, kh, om, k_norm_ptr, cos, sin, eps, cdt, D, ROT, HALF_PAD,
-                                     REST_PAD, QK_NORM, CACHE)
-    vn = tl.load(src + (HQ + HKV) * D + kh[:, None] * D + dd[None, :], mask=om[:, None] & (dd[None, :] < D),
-                 other=0.0, cache_modifier=CACHE)
-    page = tl.load(kv_indices_ptr + first_page + kv_pos // PAGE).to(tl.int64)
+    k1n, k2n, krn = _norm_rope(kx1, kx2, kxr, k_norm_ptr, cos, sin, eps, cdt, D, ROT, HALF_PAD, REST_PAD, QK_NORM)
     slot = cache_ptr + page * stride_page + (kv_pos % PAGE).to(tl.int64) * stride_slot
     _store_heads(slot, stride_head, kh, om, k1n, k2n, krn, D, ROT, HALF_PAD, REST_PAD)
     tl.store(slot + stride_kv + kh[:, None] * stride_head + dd[None, :], vn, mask=om[:, None] & (dd[None, :] < D))
@@ -136,18 +151,32 @@ def _attend_new(q1, q2, qr, src, cos, sin, k_norm_ptr, eps, cache_ptr, kv_indice
 
 
 @triton.jit
+def _attend_new(q1, q2, qr, src, cos, sin, k_norm_ptr, eps, cache_ptr, kv_indices_ptr, first_page, kv_pos, h,
+                stride_page, stride_kv, stride_slot, stride_head, scale_log2, m_i, l_i, acc, HQ: tl.constexpr,
+                HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, PAGE: tl.constexpr, D_PAD: tl.constexpr,
+                HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, QK_NORM: tl.constexpr, CACHE: tl.constexpr):
+    """:func:`_attend_loaded_new` of the newest key and value loaded here from the QKV row ``src`` (``CACHE``: its
+    loads' cache modifier), its page from the request's pages ``kv_indices[first_page:]``."""
+    kx1, kx2, kxr, vn = _load_new(src, h, True, HQ, HKV, D, ROT, D_PAD, HALF_PAD, REST_PAD, CACHE)
+    page = tl.load(kv_indices_ptr + first_page + kv_pos // PAGE).to(tl.int64)
+    return _attend_loaded_new(q1, q2, qr, kx1, kx2, kxr, vn, page, cos, sin, k_norm_ptr, eps, cache_ptr, kv_pos, h,
+                              stride_page, stride_kv, stride_slot, stride_head, scale_log2, m_i, l_i, acc, D, ROT,
+                              PAGE, D_PAD, HALF_PAD, REST_PAD, QK_NORM)
+
+
+@triton.jit
 def _attend_split(q1, q2, qr, k1, k2, kr, v, nm, src, cos, sin, k_norm_ptr, eps, cache_ptr, kv_indices_ptr,
                   first_page, kv_pos, start, stop, end, h, stride_page, stride_kv, stride_slot, stride_head, scale_log2,
                   HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, PAGE: tl.constexpr,
                   G_PAD: tl.constexpr, D_PAD: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
-                  QK_NORM: tl.constexpr, BLOCK: tl.constexpr, CACHE: tl.constexpr):
+                  QK_NORM: tl.constexpr, BLOCK: tl.constexpr, CACHE: tl.constexpr, NEW: tl.constexpr = True):
     """``(running max, sum, unnormalised output)`` float32 of the queries of kv head ``h`` (``q1, q2, qr``: their
     rotated halves and unrotated rest, ``[G_PAD, *]`` in the cache dtype) over positions ``[start, end)`` of one
     request whose pages are ``kv_indices[first_page:]``: the cached keys ``[start, stop)`` (``stop``: ``end`` or
     ``kv_pos``, whichever is less) from the cache, the first block of them given as ``_load_keys`` returned it
     (``k1, k2, kr, v, nm``), and the newest (position ``kv_pos``, when the range holds it) from the QKV row ``src``,
     normed and rotated, written into its cache slot and attended from registers. ``CACHE``: the cache modifier of
-    the loads from ``src``."""
+    the loads from ``src``. ``NEW`` false: the newest key is left to the caller."""
     HAS_REST: tl.constexpr = ROT < D
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -159,10 +188,12 @@ def _attend_split(q1, q2, qr, k1, k2, kr, v, nm, src, cos, sin, k_norm_ptr, eps,
                                             stride_kv, stride_slot, stride_head, D, ROT, PAGE, D_PAD, HALF_PAD,
                                             REST_PAD, BLOCK)
         m_i, l_i, acc = _attend_keys(q1, q2, qr, k1n, k2n, krn, vn, nmn, m_i, l_i, acc, scale_log2, HAS_REST)
-    if (start <= kv_pos) & (kv_pos < end):  # this split holds the new token: attend to it, then cache it
-        m_i, l_i, acc = _attend_new(q1, q2, qr, src, cos, sin, k_norm_ptr, eps, cache_ptr, kv_indices_ptr, first_page,
-                                    kv_pos, h, stride_page, stride_kv, stride_slot, stride_head, scale_log2, m_i, l_i,
-                                    acc, HQ, HKV, D, ROT, PAGE, D_PAD, HALF_PAD, REST_PAD, QK_NORM, CACHE)
+    if NEW:
+        if (start <= kv_pos) & (kv_pos < end):  # this split holds the new token: attend to it, then cache it
+            m_i, l_i, acc = _attend_new(q1, q2, qr, src, cos, sin, k_norm_ptr, eps, cache_ptr, kv_indices_ptr,
+                                        first_page, kv_pos, h, stride_page, stride_kv, stride_slot, stride_head,
+                                        scale_log2, m_i, l_i, acc, HQ, HKV, D, ROT, PAGE, D_PAD, HALF_PAD, REST_PAD,
+                                        QK_NORM, CACHE)
     return m_i, l_i, acc
 
 
@@ -234,7 +265,7 @@ def qkv_decode_attention_kernel(
         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, PAGE: tl.constexpr,
         G: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
         QK_NORM: tl.constexpr, BLOCK: tl.constexpr, SPLIT_PAD: tl.constexpr, G_MERGE: tl.constexpr,
-        PDL: tl.constexpr = False, MERGE: tl.constexpr = True):
+        PDL: tl.constexpr = False, MERGE: tl.constexpr = True, NEW_EARLY: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -247,19 +278,33 @@ def qkv_decode_attention_kernel(
     cos, sin, kv_pos, first_page, start, end, stop, k1, k2, kr, v, nm = _split_setup(
         t, h, s, True, nsplit, pos_ptr, cos_sin_ptr, cache_ptr, kv_pos_ptr, kv_indices_ptr, kv_indptr_ptr, stride_cs,
         stride_page, stride_kv, stride_slot, stride_head, D, ROT, PAGE, D_PAD, HALF_PAD, REST_PAD, BLOCK)
+    if NEW_EARLY:  # the new token's page too; its split reads its key and value with q, right after the wait
+        has_new = (start <= kv_pos) & (kv_pos < end)
+        page_new = tl.load(kv_indices_ptr + first_page + kv_pos // PAGE).to(tl.int64)
     wait_prior(PDL)
 
     src = qkv_ptr + t * stride_qkv
     g = tl.arange(0, G_PAD)
     gm = g < G
     qh = h * G + g
-    q1, q2, qr = _norm_rope_heads(src, qh, gm, q_norm_ptr, cos, sin, eps, cdt, D, ROT, HALF_PAD, REST_PAD, QK_NORM,
-                                  "")
+    if NEW_EARLY:
+        qx1, qx2, qxr = _load_heads(src, qh, gm, HALF_PAD, REST_PAD, D, ROT, "")
+        kx1, kx2, kxr, vn = _load_new(src, h, has_new, HQ, HKV, D, ROT, D_PAD, HALF_PAD, REST_PAD, "")
+        q1, q2, qr = _norm_rope(qx1, qx2, qxr, q_norm_ptr, cos, sin, eps, cdt, D, ROT, HALF_PAD, REST_PAD, QK_NORM)
+    else:
+        q1, q2, qr = _norm_rope_heads(src, qh, gm, q_norm_ptr, cos, sin, eps, cdt, D, ROT, HALF_PAD, REST_PAD,
+                                      QK_NORM, "")
     q1, q2, qr = q1.to(cdt), q2.to(cdt), qr.to(cdt)  # as the QKV kernel writes q
     m_i, l_i, acc = _attend_split(q1, q2, qr, k1, k2, kr, v, nm, src, cos, sin, k_norm_ptr, eps, cache_ptr,
                                   kv_indices_ptr, first_page, kv_pos, start, stop, end, h, stride_page, stride_kv,
                                   stride_slot, stride_head, scale_log2, HQ, HKV, D, ROT, PAGE, G_PAD, D_PAD, HALF_PAD,
-                                  REST_PAD, QK_NORM, BLOCK, "")
+                                  REST_PAD, QK_NORM, BLOCK, "", not NEW_EARLY)
+    if NEW_EARLY:
+        if has_new:
+            m_i, l_i, acc = _attend_loaded_new(q1, q2, qr, kx1, kx2, kxr, vn, page_new, cos, sin, k_norm_ptr, eps,
+                                               cache_ptr, kv_pos, h, stride_page, stride_kv, stride_slot,
+                                               stride_head, scale_log2, m_i, l_i, acc, D, ROT, PAGE, D_PAD, HALF_PAD,
+                                               REST_PAD, QK_NORM)
 
     out_rows = out_ptr + t * stride_out + qh[:, None] * D + dd[None, :]
     omask = gm[:, None] & (dd[None, :] < D)
@@ -356,7 +401,8 @@ def qkv_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: to
         HQ=num_heads, HKV=num_kv_heads, D=head_dim, ROT=rot, PAGE=cache.shape[2], G=group,
         G_PAD=max(16, p2(group)), D_PAD=p2(head_dim), HALF_PAD=max(16, p2(rot // 2)),
         REST_PAD=max(16, p2(head_dim - rot)), QK_NORM=norm, BLOCK=block, SPLIT_PAD=MAX_SPLITS,
-        G_MERGE=p2(group), MERGE=merge, num_warps=num_warps, num_stages=num_stages, **launch_kwargs(t))
+        G_MERGE=p2(group), MERGE=merge, NEW_EARLY=NEW_EARLY, num_warps=num_warps, num_stages=num_stages,
+        **launch_kwargs(t))
     return out
 
 

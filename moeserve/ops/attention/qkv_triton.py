@@ -23,11 +23,11 @@ from moeserve.ops.pdl_triton import wait_prior
 
 
 @triton.jit
-def _norm_rope_heads(src, heads, hmask, w_ptr, cos, sin, eps, out_dtype: tl.constexpr, D: tl.constexpr,
-                     ROT: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, QK_NORM: tl.constexpr,
-                     CACHE: tl.constexpr):
-    """The rotated halves and the unrotated rest of ``[H_PAD]`` heads of ``D`` at ``src`` (float32, masked);
-    ``CACHE``: the loads' cache modifier (``".cg"`` where another program of the kernel wrote ``src``)."""
+def _load_heads(src, heads, hmask, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, D: tl.constexpr,
+                ROT: tl.constexpr, CACHE: tl.constexpr):
+    """The halves and the rest (``[H_PAD, *]``, float32, masked) of ``[H_PAD]`` heads of ``D`` at ``src``, as loaded:
+    :func:`_norm_rope` turns them into :func:`_norm_rope_heads`' result. ``CACHE``: the loads' cache modifier
+    (``".cg"`` where another program of the kernel wrote ``src``)."""
     HALF: tl.constexpr = ROT // 2
     d = tl.arange(0, HALF_PAD)
     r = tl.arange(0, REST_PAD)
@@ -37,6 +37,17 @@ def _norm_rope_heads(src, heads, hmask, w_ptr, cos, sin, eps, out_dtype: tl.cons
     x1 = tl.load(row + d[None, :], mask=m, other=0.0, cache_modifier=CACHE).to(tl.float32)
     x2 = tl.load(row + HALF + d[None, :], mask=m, other=0.0, cache_modifier=CACHE).to(tl.float32)
     xr = tl.load(row + ROT + r[None, :], mask=mr, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    return x1, x2, xr
+
+
+@triton.jit
+def _norm_rope(x1, x2, xr, w_ptr, cos, sin, eps, out_dtype: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
+               HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, QK_NORM: tl.constexpr):
+    """Heads as :func:`_load_heads` returns them, normed (``QK_NORM``) and rotated: the rotated halves and the
+    unrotated rest (float32)."""
+    HALF: tl.constexpr = ROT // 2
+    d = tl.arange(0, HALF_PAD)
+    r = tl.arange(0, REST_PAD)
     if QK_NORM:
         ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(xr * xr, axis=1)
         inv = (1.0 / tl.sqrt(ss / D + eps))[:, None]
@@ -46,9 +57,21 @@ def _norm_rope_heads(src, heads, hmask, w_ptr, cos, sin, eps, out_dtype: tl.cons
         x1 = (x1 * inv * w1).to(out_dtype).to(tl.float32)
         x2 = (x2 * inv * w2).to(out_dtype).to(tl.float32)
         xr = (xr * inv * wr).to(out_dtype).to(tl.float32)
-    o1 = x1 * cos[None, :] - x2 * sin[None, :]
-    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    # the rotation's products fused as FlashInfer's rotary arithmetic rounds them (left to the compiler, the second
+    # half's form followed the surrounding code: one bf16 ulp off FlashInfer's cache in rare elements)
+    o1 = tl.fma(x1, cos[None, :], -(x2 * sin[None, :]))
+    o2 = tl.fma(x1, sin[None, :], x2 * cos[None, :])
     return o1, o2, xr
+
+
+@triton.jit
+def _norm_rope_heads(src, heads, hmask, w_ptr, cos, sin, eps, out_dtype: tl.constexpr, D: tl.constexpr,
+                     ROT: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, QK_NORM: tl.constexpr,
+                     CACHE: tl.constexpr):
+    """The rotated halves and the unrotated rest of ``[H_PAD]`` heads of ``D`` at ``src`` (float32, masked);
+    ``CACHE``: the loads' cache modifier (``".cg"`` where another program of the kernel wrote ``src``)."""
+    x1, x2, xr = _load_heads(src, heads, hmask, HALF_PAD, REST_PAD, D, ROT, CACHE)
+    return _norm_rope(x1, x2, xr, w_ptr, cos, sin, eps, out_dtype, D, ROT, HALF_PAD, REST_PAD, QK_NORM)
 
 
 @triton.jit
