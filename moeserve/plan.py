@@ -180,7 +180,9 @@ class RuntimePlan:
         qkv = self.fused_qkv
         fused = self.fused_shared_expert_steps
         norm = self.norm_triton_max_tokens
-        return {"kernels": moe or routing or gemv > 0 or qkv or norm > 0, "moe": moe,
+        graphs = bool(self.config.graph_batch_sizes())  # their replays feed the step's ids (ops.inputs_triton)
+        return {"kernels": moe or routing or gemv > 0 or qkv or norm > 0 or graphs, "moe": moe,
+                "decode_graphs": graphs,
                 "routing": m.routing.method if routing else None, "fused_qkv": qkv,
                 "decode_max_tokens": self.triton_decode_max_tokens, "layer_kernel": self.layer_kernel,
                 "gemv_max_tokens": gemv, "norm_triton_max_tokens": norm,

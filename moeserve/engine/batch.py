@@ -6,7 +6,8 @@ gets a fresh pinned buffer from torch's caching host allocator, which does not h
 before its copy has run, so a step can be built while the previous one is still on the GPU.
 
 A token sampled by the previous step but not yet on the host (asynchronous scheduling) is fed from that
-step's device tensor of sampled tokens: the builder writes 0 in its place and a device gather fills it.
+step's device tensor of sampled tokens: the builder writes 0 in its place and a device gather fills it (or, with
+``defer_feed``, the decode graph's replay, which copies the ids into its buffers in the same launch).
 
 A step padded to ``pad_to`` tokens gets one extra request of one token per padding token, at position 0 on
 the reserved page 0 (a CUDA graph of that size then reads real rows first, padding after). With ``fixed``
@@ -32,6 +33,9 @@ class StepBatch:
     logits_indices: torch.Tensor  # [S] int32: the last token of each request that samples this step
     num_real: int  # requests before padding
     num_tokens_real: int
+    # with build(..., defer_feed=True): the rows still to take the previous step's sampled tokens, left to the
+    # caller (rows dst take prev[src]; dst, src int32 [F], prev the previous step's tokens); None: none
+    feed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class BatchBuilder:
@@ -48,16 +52,18 @@ class BatchBuilder:
         self.dev = torch.zeros(cap, dtype=torch.int32, device=device) if self.pin else None
 
     def build(self, items: list[ScheduledRequest], pad_to: int | None = None,
-              prev_tokens: torch.Tensor | None = None, fixed: bool = False) -> StepBatch:
+              prev_tokens: torch.Tensor | None = None, fixed: bool = False, defer_feed: bool = False) -> StepBatch:
         """``prev_tokens``: the previous step's sampled tokens on the device, for in-flight inputs. ``pad_to``:
-        the step's token count after padding; ``fixed``: lay the fields out at the offsets of that size."""
+        the step's token count after padding; ``fixed``: lay the fields out at the offsets of that size.
+        ``defer_feed``: leave the in-flight inputs to the caller (``StepBatch.feed``; a decode graph's replay feeds
+        them as it copies the ids in, ``moeserve.ops.inputs_triton``)."""
         if fixed and (pad_to is None or pad_to > self.max_tokens):
             raise ValueError(f"a fixed layout needs pad_to of at most {self.max_tokens} tokens, got {pad_to}")
         if all(it.num_tokens == 1 for it in items):
             fields = self._single_token_fields(items)
         else:
             fields = self._chunk_fields(items)
-        return self._finish(items, fields, pad_to, prev_tokens, fixed)
+        return self._finish(items, fields, pad_to, prev_tokens, fixed, defer_feed)
 
     def _single_token_fields(self, items: list[ScheduledRequest]):
         """Decode steps: one token per request, built with plain lists (cheaper than numpy at this size)."""
@@ -106,7 +112,7 @@ class BatchBuilder:
         cat = lambda xs: np.concatenate(xs).tolist() if xs else []  # noqa: E731
         return cat(ids), cat(pos), cat(slots), cat(bidx), qo, kvp, last, cat(indices), logit_idx, fix_dst, fix_src
 
-    def _finish(self, items, fields, pad_to, prev_tokens, fixed=False) -> StepBatch:
+    def _finish(self, items, fields, pad_to, prev_tokens, fixed=False, defer_feed=False) -> StepBatch:
         ids, pos, slots, bidx, qo, kvp, last, indices, logit_idx, fix_dst, fix_src = fields
         num_real, seq_lens = len(items), [it.start + it.num_tokens for it in items]
         query_lens = [it.num_tokens for it in items]
@@ -152,10 +158,14 @@ class BatchBuilder:
             dev = host.clone()
         h = [host[offs[i]:offs[i] + sizes[i]] for i in range(len(fields))]
         d = [dev[offs[i]:offs[i] + sizes[i]] for i in range(len(fields))]
+        feed = None
         if fix_dst:
             if prev_tokens is None:
                 raise RuntimeError("a step feeds in-flight tokens but the previous step's tokens were not given")
-            d[0].index_copy_(0, d[8].long(), prev_tokens.index_select(0, d[9].long()).to(torch.int32))
+            if defer_feed:
+                feed = (d[8], d[9], prev_tokens)
+            else:
+                d[0].index_copy_(0, d[8].long(), prev_tokens.index_select(0, d[9].long()).to(torch.int32))
         attn = AttentionInputs(
             num_seqs=len(qo) - 1, num_tokens=sizes[0], query_lens=query_lens, seq_lens=seq_lens,
             is_decode=all(it.is_decode for it in items),
@@ -164,4 +174,4 @@ class BatchBuilder:
             slot_mapping=d[2], batch_indices=d[3], token_positions=d[1],
         )
         return StepBatch(input_ids=d[0], positions=d[1], attn=attn, logits_indices=d[7], num_real=num_real,
-                         num_tokens_real=sum(it.num_tokens for it in items))
+                         num_tokens_real=sum(it.num_tokens for it in items), feed=feed)

@@ -3,7 +3,8 @@ has several for that size, ``graph_variants``), captured largest first in a shar
 
 A decode batch is padded up to the smallest captured size that holds it (padded rows read and write the
 reserved page 0); batches larger than the largest bucket run eagerly. Each graph covers the whole model
-forward and the LM head; sampling runs after it, outside the graph.
+forward and the LM head; sampling runs after it, outside the graph. Before a replay one kernel copies the step's
+ids and positions into the graph's buffers and feeds the tokens still in flight (``StepBatch.feed``).
 """
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ import logging
 import torch
 
 from moeserve.engine.batch import StepBatch
+from moeserve.ops.inputs_triton import feed_step_inputs, feed_step_inputs_reference
 
 log = logging.getLogger("moeserve")
 
 HIGH_PRIORITY = -1  # CUDA stream priorities: lower is higher; torch streams default to 0, -1 is the highest
+# one kernel copies a replay's ids and positions in and feeds its in-flight tokens (moeserve.ops.inputs_triton; False:
+# the same in torch, seven launches: an A/B switch)
+FEED_KERNEL = True
 
 
 class DecodeGraphs:
@@ -92,8 +97,10 @@ class DecodeGraphs:
 
     def replay(self, bs: int, batch: StepBatch, after_plan=None) -> torch.Tensor:
         ids, pos = self.inputs[bs]
-        ids.copy_(batch.input_ids)
-        pos.copy_(batch.positions)
+        if FEED_KERNEL:
+            feed_step_inputs(ids, pos, batch.input_ids, batch.positions, *(batch.feed or ()))
+        else:
+            feed_step_inputs_reference(ids, pos, batch.input_ids, batch.positions, *(batch.feed or ()))
         variant = self.runner.ops.attention.begin_graph(bs, batch.attn)
         if after_plan is not None:
             after_plan()

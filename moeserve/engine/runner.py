@@ -415,7 +415,7 @@ class ModelRunner:
         scores_prompt = any(it.prompt_logprobs is not None for it in items)
         if graphs is not None and step.is_decode and len(items) <= graphs.max_batch_size and not scores_prompt:
             bucket = graphs.bucket(len(items))
-            batch = self.builder.build(items, pad_to=bucket, prev_tokens=prev)
+            batch = self.builder.build(items, pad_to=bucket, prev_tokens=prev, defer_feed=True)
             self._before_plan()
             logits = graphs.replay(bucket, batch, after_plan=self._after_plan)
             if all(it.samples for it in items):

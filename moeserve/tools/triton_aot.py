@@ -334,9 +334,9 @@ def _pdl_step_sizes(pdl_bound: int, largest: int) -> list[int]:
 def launch_every_kernel(plan, on_step=None) -> None:
     """Run, on ``meta`` tensors, every Triton launch the plan can make: the attention's QKV kernel, the MoE
     layer (router, routing, fused MoE, combine) for each step size from 1 to the largest, the residual add +
-    RMSNorm of small steps, and the GEMV for each linear and small step. Inside ``compile_session`` each launch
-    compiles (or lists) its kernel instead of running. ``on_step(t)`` is called before the step of ``t`` tokens,
-    ``on_step(None)`` before the GEMVs."""
+    RMSNorm of small steps, the decode graphs' input feed, and the GEMV for each linear and small step. Inside
+    ``compile_session`` each launch compiles (or lists) its kernel instead of running. ``on_step(t)`` is called
+    before the step of ``t`` tokens, ``on_step(None)`` before the input feed and the GEMVs."""
     from moeserve.ops import pdl
     on_step = on_step or (lambda t: None)
     fp = plan.triton_fingerprint("?")
@@ -369,6 +369,10 @@ def launch_every_kernel(plan, on_step=None) -> None:
                 x = torch.empty((tokens, h), dtype=plan.dtype, device=meta)
                 add_rmsnorm(x, torch.empty_like(x), torch.empty(h, dtype=plan.dtype, device=meta), 1e-6)
         on_step(None)
+        if fp.get("decode_graphs"):  # before each decode graph's replay
+            from moeserve.ops.inputs_triton import feed_step_inputs
+            i32 = torch.empty(1, dtype=torch.int32, device=meta)
+            feed_step_inputs(i32, i32, i32, i32, i32, i32, torch.empty(1, dtype=torch.int64, device=meta))
         if fp["gemv_max_tokens"]:
             from moeserve.ops.linear_triton import TritonLinear, gemv
             lin = TritonLinear(meta, plan.dtype, max_tokens=fp["gemv_max_tokens"])

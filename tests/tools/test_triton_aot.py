@@ -79,10 +79,11 @@ def test_built_kernels_serve_every_launch_from_disk_after_the_cache_moves(tmp_pa
     assert "_moe_align_kernel" not in names
     manifest = json.loads((tmp_path / "built" / "triton" / "manifest.json").read_text())
     # each kernel names the MoE step size that first launches it: the sizes the engine warms at start
-    # (the one-row GEMV, which the tiny model's LM head of 512 rows runs in one-token steps, belongs to no MoE
-    # step: None)
-    sizes = [e["tokens"] for e in config["entries"] if e["kernel"] != "_gemv_row_kernel"]
+    # (the one-row GEMV, which the tiny model's LM head of 512 rows runs in one-token steps, and the decode graphs'
+    # input feed belong to no MoE step: None)
+    sizes = [e["tokens"] for e in config["entries"] if e["kernel"] not in ("_gemv_row_kernel", "_feed_kernel")]
     assert sizes[0] == 1 and all(isinstance(t, int) and 1 <= t <= 24 for t in sizes)
+    assert [e["tokens"] for e in config["entries"] if e["kernel"] == "_feed_kernel"] == [None]  # one compile
     assert [e["tokens"] for e in config["entries"] if "gemv" in e["kernel"]] == [None]
     assert sorted(set(sizes)) == sorted({e["tokens"] for e in manifest["configs"][-1]["entries"]} - {None})
     assert manifest["target_python"] == triton_aot.python_tag()
@@ -123,7 +124,12 @@ def test_kernels_launch_with_pdl_on_hopper_for_steps_up_to_pdl_max_tokens(tmp_pa
         assert has == (k["constants"].get("launch_pdl") == "True"), k
         return has
 
-    every_k, off_k, small_k = listed(every, "every"), listed(off, "off"), listed(small, "small")
+    def step_kernels(ks):  # the decode graphs' input feed runs before a replay, after a copy: never with PDL
+        assert [k for k in ks if k["name"] == "_feed_kernel" and with_pdl(k)] == []
+        return [k for k in ks if k["name"] != "_feed_kernel"]
+
+    every_k, off_k, small_k = (step_kernels(listed(p, name)) for p, name in ((every, "every"), (off, "off"),
+                                                                             (small, "small")))
     assert every_k and all(with_pdl(k) for k in every_k)
     assert not any(with_pdl(k) for k in off_k)
     names = lambda ks, pdl_on: {k["name"] for k in ks if with_pdl(k) == pdl_on}  # noqa: E731

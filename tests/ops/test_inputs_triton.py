@@ -1,0 +1,125 @@
+"""The decode graphs' input feed (``moeserve.ops.inputs_triton``) against its torch reference: on the CPU under
+Triton's interpreter (one subprocess), on a GPU (``-m gpu``); and the batch builder's deferred feed, whose rows the
+feed fills as the builder's own gather does. Inputs are fresh random each run; the seed is in failure messages
+(``MOESERVE_TEST_SEED`` replays one)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from triton_interpreter import is_worker, patch_for_numpy, run_worker  # noqa: E402
+
+SEED = int(os.environ.get("MOESERVE_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+# (rows, fed rows, previous step's tokens): one row fed, a padded step, more rows than one pass, none fed
+CASES = {"one": (1, 1, 1), "padded": (4, 3, 5), "long": (150, 70, 90), "none": (5, 0, 0)}
+
+
+def make_case(rows: int, fed: int, prev_n: int, gen: torch.Generator, device="cpu"):
+    """``(ids, pos, dst, src, prev)`` as a step's packed buffer holds them: int32 slices of one buffer (ids 0 where
+    fed), distinct ``dst``, the previous step's tokens int64."""
+    ids = torch.randint(0, 150_000, (rows,), generator=gen, dtype=torch.int32)
+    pos = torch.randint(0, 4096, (rows,), generator=gen, dtype=torch.int32)
+    dst = torch.randperm(rows, generator=gen)[:fed].to(torch.int32)
+    ids[dst.long()] = 0
+    src = torch.randint(0, max(1, prev_n), (fed,), generator=gen, dtype=torch.int32)
+    prev = torch.randint(0, 150_000, (max(1, prev_n),), generator=gen, dtype=torch.int64)
+    packed = torch.cat([torch.zeros(3, dtype=torch.int32), ids, pos, dst, src])  # slices at odd offsets
+    o = 3
+    views = []
+    for n in (rows, rows, fed, fed):
+        views.append(packed[o:o + n].to(device))
+        o += n
+    return (*views, prev.to(device))
+
+
+def run(fn, case):
+    ids, pos, dst, src, prev = case
+    ids_out = torch.full_like(ids, -7)
+    pos_out = torch.full_like(pos, -7)
+    if dst.numel():
+        fn(ids_out, pos_out, ids, pos, dst, src, prev)
+    else:
+        fn(ids_out, pos_out, ids, pos)
+    return ids_out, pos_out
+
+
+def _interpreter_worker(in_path: str, out_path: str) -> None:
+    patch_for_numpy()
+    from moeserve.ops.inputs_triton import feed_step_inputs
+    torch.save({name: run(feed_step_inputs, case) for name, case in torch.load(in_path).items()}, out_path)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    gen = torch.Generator().manual_seed(SEED)
+    inputs = {name: make_case(*spec, gen) for name, spec in CASES.items()}
+    return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("feed"), SEED)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_feed_matches_the_torch_gather_under_the_interpreter(interpreted, name):
+    from moeserve.ops.inputs_triton import feed_step_inputs_reference
+    inputs, outputs = interpreted
+    case = inputs[name]
+    ids_out, pos_out = outputs[name]
+    ref_ids, ref_pos = run(feed_step_inputs_reference, case)
+    assert torch.equal(ids_out, ref_ids), f"seed {SEED}, {name}: ids"
+    assert torch.equal(pos_out, ref_pos), f"seed {SEED}, {name}: positions"
+    fed = case[2].long()
+    if fed.numel():  # the fed rows hold the previous step's tokens, the others the step's own ids
+        assert torch.equal(ids_out[fed], case[4][case[3].long()].to(torch.int32))
+    rest = torch.ones(case[0].shape[0], dtype=torch.bool)
+    rest[fed] = False
+    assert torch.equal(ids_out[rest], case[0][rest])
+
+
+def test_feed_refuses_mismatched_shapes():
+    from moeserve.ops.inputs_triton import feed_step_inputs_reference
+    ids = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="4 ids into 3"):
+        feed_step_inputs_reference(torch.zeros(3, dtype=torch.int32), ids.clone(), ids, ids)
+    with pytest.raises(ValueError, match="one per dst"):
+        feed_step_inputs_reference(ids.clone(), ids.clone(), ids, ids, ids[:2], ids[:1], torch.zeros(2))
+
+
+def test_deferred_feed_fills_the_rows_the_builder_would():
+    """A decode step with two tokens in flight, built with and without ``defer_feed``: the deferred batch leaves
+    its ids unfed and names the rows; the feed fills them as the builder's gather did."""
+    from moeserve.engine.batch import BatchBuilder
+    from moeserve.engine.step import ScheduledRequest
+    from moeserve.ops.inputs_triton import feed_step_inputs_reference
+    items = [ScheduledRequest(f"r{i}", token_ids=[0 if row >= 0 else 11 + i], start=5 + i, pages=[1 + i],
+                              samples=True, inflight_row=row) for i, row in enumerate([1, -1, 0])]
+    prev = torch.tensor([901, 902], dtype=torch.int64)
+    b = BatchBuilder(16, 8, 8, 64, torch.device("cpu"))
+    eager = b.build(items, pad_to=4, prev_tokens=prev)
+    assert eager.feed is None and eager.input_ids.tolist() == [902, 12, 901, 0]
+    deferred = b.build(items, pad_to=4, prev_tokens=prev, defer_feed=True)
+    dst, src, fed_prev = deferred.feed
+    assert dst.tolist() == [0, 2] and src.tolist() == [1, 0] and fed_prev is prev
+    assert deferred.input_ids.tolist()[1] == 12
+    ids, pos = torch.full((4,), -1, dtype=torch.int32), torch.full((4,), -1, dtype=torch.int32)
+    feed_step_inputs_reference(ids, pos, deferred.input_ids, deferred.positions, *deferred.feed)
+    assert torch.equal(ids, eager.input_ids) and torch.equal(pos, eager.positions)
+
+
+@pytest.mark.gpu
+def test_feed_matches_the_torch_gather_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from moeserve.ops.inputs_triton import feed_step_inputs, feed_step_inputs_reference
+    gen = torch.Generator().manual_seed(SEED)
+    for name, spec in CASES.items():
+        case = make_case(*spec, gen, device="cuda")
+        got = run(feed_step_inputs, case)
+        ref = run(feed_step_inputs_reference, case)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), f"seed {SEED}, {name}"
+
+
+if __name__ == "__main__" and is_worker(sys.argv):
+    _interpreter_worker(sys.argv[2], sys.argv[3])
