@@ -203,8 +203,9 @@ class RuntimePlan:
                 "shared_gate": ("router" if not m.router_fp32 else "linear") if gated else None,
                 "router_dtype": "float32" if m.router_fp32 else str(self.dtype).removeprefix("torch."),
                 "dtype": str(self.dtype).removeprefix("torch."), "quantization": self.quantization,
-                # a rank's linears are its split (moeserve.tools.triton_aot.meta_linear_shapes)
-                "tensor_parallel_size": self.parallel.tp_size,
+                # a rank's linears and experts are its split (moeserve.tools.triton_aot.meta_linear_shapes,
+                # meta_moe_layer): its slice of each expert's intermediate size, or its share of the experts
+                "tensor_parallel_size": self.parallel.tp_size, "expert_parallel_size": self.parallel.ep_size,
                 "device_name": device_name, "code": triton_source_digest(), "max_tokens": self.max_step_tokens}
 
 

@@ -206,9 +206,36 @@ def _meta_ops(plan, moe, device: torch.device | None = None, parallel=None):
                activation=TorchActivation(), moe=moe, rope_cls=TorchRope, quantization=plan.quantization, **extra)
 
 
+def _rank_without_group(parallel):
+    """The plan's first rank (``moeserve.ops.parallel.Parallel``), its collectives turned into shape-keeping
+    no-ops: a layer built on it holds a rank's split and runs on ``meta`` tensors without a process group. One
+    rank: ``parallel`` itself."""
+    import dataclasses
+
+    from moeserve.ops.parallel import Parallel
+    if not parallel.is_parallel:
+        return parallel
+
+    class NoGroup(Parallel):
+        def all_reduce(self, x):
+            return x
+
+        def all_gather(self, x, dim=-1):
+            shape = list(x.shape)
+            shape[dim % x.dim()] *= self.tp_size
+            return x.new_empty(shape)
+
+        def reduce_scatter(self, x):
+            return x.new_empty((x.shape[0] // self.tp_size, *x.shape[1:]))
+
+    return NoGroup(**{f.name: getattr(parallel, f.name) for f in dataclasses.fields(Parallel)})
+
+
 def meta_moe_layer(plan, device: torch.device | None = None):
     """The model's MoE layer on ``meta`` (or ``device``, its weights uninitialised) with the plan's Triton paths
-    (MoE and routing kernels)."""
+    (MoE and routing kernels), built as the plan's first rank: with tensor parallelism its experts are a rank's
+    slice of the intermediate size (with expert parallelism its share of the experts), and its collectives keep
+    their shapes and move nothing."""
     from moeserve.models.layers import SparseMoE
     from moeserve.ops.moe.routing_triton import TritonTopkRouter
     from moeserve.ops.moe.torch_ref import TorchMoE
@@ -218,7 +245,7 @@ def meta_moe_layer(plan, device: torch.device | None = None):
     moe = TritonMoE(meta, dtype) if fp["moe"] else TorchMoE(meta, dtype)
     if fp["moe"]:
         moe.pairwise_max_tokens = fp["moe_pairwise_max_tokens"]
-    ops = _meta_ops(plan, moe, meta)
+    ops = _meta_ops(plan, moe, meta, parallel=_rank_without_group(plan.parallel))
     ops.moe_fuse_norm, ops.router_fuse_norm = fp["fuse_norm"], fp["router_fuse_norm"]
     ops.moe_fused_shared_early = fp.get("fused_shared_early", False)
     ops.moe_route_in_grid = fp.get("route_in_grid", False)

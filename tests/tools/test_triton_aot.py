@@ -220,6 +220,34 @@ def test_tensor_parallel_plans_build_the_gemvs_of_a_ranks_split(tmp_path):
         {k: v for k, v in fp2.items() if k != "tensor_parallel_size"}
 
 
+def test_tensor_parallel_plans_build_the_moe_kernels_of_a_ranks_experts(tmp_path):
+    """A rank's experts are its split too: with ``tensor_parallel_size: 2`` a Qwen1.5-MoE rank's experts have an
+    intermediate size of 704 (the down GEMM's K, not a whole tile of 128: ``EVEN_K=False``), with expert
+    parallelism 30 whole experts; ``precompile`` builds the MoE layer as that rank (its collectives on ``meta``
+    move nothing) and lists its kernels, which the one-rank layer's list lacks. The fingerprint tells the three
+    layouts apart."""
+    def plan(tp, ep=False):
+        return plan_for_arch(make_config(model="qwen1.5-moe-a2.7b", dtype="bfloat16", max_num_batched_tokens=32,
+                                         max_num_seqs=32, tensor_parallel_size=tp, enable_expert_parallel=ep),
+                             "9.0a")
+
+    one, tp2, ep2 = plan(1), plan(2), plan(2, ep=True)
+    assert tuple(triton_aot.meta_moe_layer(one).w2.shape) == (64, 2048, 1408)  # and the shared expert's 4 pieces
+    assert tuple(triton_aot.meta_moe_layer(tp2).w2.shape) == (60, 2048, 704)
+    assert tuple(triton_aot.meta_moe_layer(ep2).w2.shape) == (30, 2048, 1408)
+
+    def moe_kernels(p, name):
+        return {(k["name"], k["constants"].get("BLOCK_SIZE_K"), k["constants"].get("EVEN_K"))
+                for k in triton_aot.list_kernels(p, *H200, tmp_path / name) if k["name"] == "fused_moe_kernel"}
+
+    k_one, k_tp2 = moe_kernels(one, "one"), moe_kernels(tp2, "tp2")
+    uneven = {k for k in k_tp2 if k[2] == "False"}
+    assert uneven and all(704 % int(k[1]) for k in uneven), k_tp2  # the down GEMM over a rank's 704 columns
+    assert not uneven & k_one, k_one
+    fps = [p.triton_fingerprint(H200[1]) for p in (one, tp2, ep2)]
+    assert [(fp["tensor_parallel_size"], fp["expert_parallel_size"]) for fp in fps] == [(1, 1), (2, 1), (2, 2)]
+
+
 def test_the_qkv_kernel_compiles_for_sm90_with_gqa_and_qk_norm(tmp_path):
     """Qwen3-MoE's attention (32 query heads over 4 kv heads, per-head q/k norms): the kernel compiles for the H200
     (the interpreter runs it without Triton's type checks, so a compile is its own test)."""
