@@ -39,6 +39,36 @@ ROW_PRELOAD = True  # the one-row tiles load their first weight tile before the 
 
 
 @triton.jit
+def _w_tile(w_ptrs, offs_k, k_left, EVEN_K: tl.constexpr):
+    """A weight tile ``[*, BLOCK_K]``, its columns past ``k_left`` (the K left from this tile on) zero."""
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=(offs_k < k_left)[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _xt_tile(x_ptrs, offs_k, m_mask, k_left, EVEN_K: tl.constexpr):
+    """A tile of ``x^T`` ``[BLOCK_K, M_PAD]``: the rows ``m_mask`` of x, its columns past ``k_left`` zero."""
+    if EVEN_K:
+        xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+    else:
+        xt = tl.load(x_ptrs, mask=m_mask[None, :] & (offs_k < k_left)[:, None], other=0.0)
+    return xt
+
+
+@triton.jit
+def _x_row(x_ptrs, offs_k, k_left, EVEN_K: tl.constexpr):
+    """A tile ``[BLOCK_K]`` of one row of x, its columns past ``k_left`` zero."""
+    if EVEN_K:
+        x = tl.load(x_ptrs)
+    else:
+        x = tl.load(x_ptrs, mask=offs_k < k_left, other=0.0)
+    return x
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr,
                  EVEN_K: tl.constexpr, PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False):
@@ -57,27 +87,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
     k_first = 0
     if PRELOAD:  # the first K tile: its weights before the wait, x after it; the loop takes the rest
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=(offs_k < K)[None, :], other=0.0)
+        w = _w_tile(w_ptrs, offs_k, K, EVEN_K)
         wait_prior(PDL)
-        if EVEN_K:
-            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
-        else:
-            xt = tl.load(x_ptrs, mask=m_mask[None, :] & (offs_k < K)[:, None], other=0.0)
-        acc = tl.dot(w, xt, acc=acc)
+        acc = tl.dot(w, _xt_tile(x_ptrs, offs_k, m_mask, K, EVEN_K), acc=acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         k_first = 1
     for k in range(k_first, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
-        else:
-            k_mask = offs_k < K - k * BLOCK_K
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-            xt = tl.load(x_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+        w = _w_tile(w_ptrs, offs_k, K - k * BLOCK_K, EVEN_K)
+        xt = _xt_tile(x_ptrs, offs_k, m_mask, K - k * BLOCK_K, EVEN_K)
         acc = tl.dot(w, xt, acc=acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -106,26 +124,14 @@ def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_first = 0
     if PRELOAD:  # the first K tile: its weights before the wait, x after it; the loop takes the rest
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=(offs_k < K)[None, :], other=0.0)
+        w = _w_tile(w_ptrs, offs_k, K, EVEN_K)
         wait_prior(PDL)
-        if EVEN_K:
-            x = tl.load(x_ptr + offs_k)
-        else:
-            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * _x_row(x_ptr + offs_k, offs_k, K, EVEN_K).to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
         k_first = 1
     for k in range(k_first, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            x = tl.load(x_ptr + k * BLOCK_K + offs_k)
-        else:
-            k_mask = offs_k < K - k * BLOCK_K
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-            x = tl.load(x_ptr + k * BLOCK_K + offs_k, mask=k_mask, other=0.0)
+        w = _w_tile(w_ptrs, offs_k, K - k * BLOCK_K, EVEN_K)
+        x = _x_row(x_ptr + k * BLOCK_K + offs_k, offs_k, K - k * BLOCK_K, EVEN_K)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
