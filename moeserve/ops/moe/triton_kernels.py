@@ -379,12 +379,10 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
     a_ptrs = a_ptr + (offs_token[:, None] // top_k * stride_am + offs_k[None, :] * stride_ak)
     b_ptrs = b_ptr + off_expert * stride_be + (offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn)
 
-    if EARLY > 0:  # read before any wait: from L2, where the kernel that wrote it left it
-        acc = tile_dot(a_ptrs, b_ptrs, token_mask, offs_k, K, stride_ak, stride_bk, BLOCK_SIZE_M, BLOCK_SIZE_N,
-                       BLOCK_SIZE_K, EVEN_K, IEEE_FP32, ".cg")
-    else:
-        acc = tile_dot(a_ptrs, b_ptrs, token_mask, offs_k, K, stride_ak, stride_bk, BLOCK_SIZE_M, BLOCK_SIZE_N,
-                       BLOCK_SIZE_K, EVEN_K, IEEE_FP32, "")
+    # with EARLY, A is read before any wait: from L2 (.cg), where the kernel that wrote it left it
+    A_CACHE: tl.constexpr = ".cg" if EARLY > 0 else ""
+    acc = tile_dot(a_ptrs, b_ptrs, token_mask, offs_k, K, stride_ak, stride_bk, BLOCK_SIZE_M, BLOCK_SIZE_N,
+                   BLOCK_SIZE_K, EVEN_K, IEEE_FP32, A_CACHE)
     if EARLY > 0:
         if early:
             wait_prior(PDL, LET_NEXT=False)
