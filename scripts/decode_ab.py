@@ -16,7 +16,7 @@ switch or bound, e.g. ``py.moeserve.ops.linear_triton.GEMV_MAX_N=1000000``; the 
 copy of the source tree with the constant changed. Only constants the code reads when it runs take effect (not
 default arguments bound at import). The kernel cache does not know of them: a constant that changes a Triton
 kernel needs ``allow_jit=true``, or the engine refuses the kernel it lacks. The JSON line lists the constants as
-the process read them back.
+the process read them back (typed where JSON holds the value, else its ``repr``).
 """
 from __future__ import annotations
 
@@ -33,6 +33,15 @@ def module_constants(sets: list[str]):
             key, value = parse_override(kv[3:])
             module, _, name = key.rpartition(".")
             yield kv, module, name, value
+
+
+def plain(value):
+    """``value`` as JSON holds it (a number, a string, a bool, lists and maps of them), else its ``repr``."""
+    try:
+        json.dumps(value, allow_nan=False)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def set_module_constants(sets: list[str]) -> None:
@@ -94,7 +103,7 @@ def main() -> int:
                      "e2e_runs_s": [round(m["e2e_s"], 4) for m in runs]})
         print(f"{args.label} c={c}: decode {row['decode_tok_s']:.1f} tok/s (TTFT {row['ttft_s'] * 1e3:.1f} ms, "
               f"end to end {row['e2e_s'] * 1e3:.1f} ms)", flush=True)
-    read_back = {f"{module}.{name}": repr(getattr(importlib.import_module(module), name))
+    read_back = {f"{module}.{name}": plain(getattr(importlib.import_module(module), name))
                  for _, module, name, _ in module_constants(args.set)}
     print(json.dumps({"label": args.label, "rows": rows} | ({"constants": read_back} if read_back else {})))
     return 0

@@ -24,6 +24,12 @@ def test_arm_specs():
         parse("b:oops")
 
 
+def test_constants_read_back_typed_where_json_holds_them():
+    plain = load_script("decode_ab").plain
+    assert [plain(v) for v in (16384, False, 0.5, "x", [1, 2])] == [16384, False, 0.5, "x", [1, 2]]
+    assert plain({1, 2}) == "{1, 2}" and plain(float("nan")) == "nan"
+
+
 def test_the_table_compares_every_arm_with_the_first():
     rows = [{"arm": "a", "rows": [{"concurrency": 1, "decode_tok_s": 100.0}]},
             {"arm": "b", "rows": [{"concurrency": 1, "decode_tok_s": 110.0}]},
@@ -63,7 +69,7 @@ def test_an_arm_sets_a_module_constant_without_a_copy_of_the_tree(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["arm"] for r in rows] == ["base", "wide"]
     assert "constants" not in rows[0]
-    assert rows[1]["constants"] == {"moeserve.ops.linear_triton.GEMV_MAX_N": "1000000"}
+    assert rows[1]["constants"] == {"moeserve.ops.linear_triton.GEMV_MAX_N": 1000000}  # typed, as the arm set it
     assert ("typo round 1: exit 1: decode_ab: --set py.moeserve.ops.linear_triton.GEMV_MAX_M=1: "
             "'moeserve.ops.linear_triton' has no constant 'GEMV_MAX_M'") in run.stdout
     assert "other round 1: exit 1: decode_ab: --set py.os.sep=x: only moeserve's modules take constants" in run.stdout
