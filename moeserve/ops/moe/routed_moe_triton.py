@@ -33,7 +33,7 @@ from moeserve.ops.pdl import launch_kwargs
 from moeserve.ops.pdl_triton import let_next_start, wait_prior
 
 from .combine import moe_combine
-from .routing_triton import ROUTER_BLOCK_K, ROUTER_MAX_ROWS, ROUTER_SPLITS, _select, unsupported
+from .routing_triton import ROUTER_BLOCK_K, ROUTER_MAX_ROWS, ROUTER_SPLITS, _route_parts, unsupported
 from .triton_kernels import PAIRWISE_BLOCK_M, invoke_fused_moe_kernel, store_swiglu_tile, tile_dot
 
 SYNC_STRIDE = 32  # int32 words between the flags: one 128-byte line each
@@ -83,13 +83,8 @@ def _route_moe_kernel(x_ptr, rw_ptr, part_ptr, sync_ptr, logits_ptr, weights_ptr
             r_s = tl.arange(0, BLOCK_S)
             r_parts = tl.load(part_ptr + r_s[:, None] * BLOCK_RN + r_n[None, :], mask=(r_s < R)[:, None],
                               other=0.0)
-            r_logits = tl.sum(r_parts, axis=0).to(logits_ptr.dtype.element_ty)
-            tl.store(logits_ptr + r_n, r_logits, mask=r_n < ROWS)
-            r_all = r_logits.to(tl.float32)
-            r_valid = r_n < E
-            r_gate = tl.sum(tl.where(r_n == E, r_all, 0.0), axis=0)
-            _select(tl.where(r_valid, r_all, float("-inf")), r_valid, r_n, 0, r_gate, weights_ptr, ids_ptr, E, TOPK,
-                    BLOCK_RN, BLOCK_KK, SOFTMAX, RENORM, PIECES, GATED)
+            _route_parts(r_parts, logits_ptr, r_n, 0, weights_ptr, ids_ptr, E, ROWS, TOPK, BLOCK_RN, BLOCK_KK, SOFTMAX,
+                         RENORM, PIECES, GATED)
             tl.debug_barrier()  # the routing is written before the ready flag
             tl.atomic_xchg(sync_ptr, 0)
             tl.atomic_xchg(sync_ptr + READY, 1, sem="release")

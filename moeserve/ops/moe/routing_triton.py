@@ -80,6 +80,23 @@ def _select(x, valid, offs, t, gate, weights_ptr, ids_ptr, E, K: tl.constexpr, B
 
 
 @triton.jit
+def _route_parts(parts, logits_ptr, offs, t, weights_ptr, ids_ptr, E, ROWS, K: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr,
+                 GATED: tl.constexpr):
+    """Token ``t``'s routing from its router's partial sums ``parts`` ``[*, BLOCK_E]`` (float32, one row a slice of
+    the hidden size): their sum rounded to the logits' dtype as a GEMM writing them would, its ``ROWS`` logits
+    stored in row ``t`` of ``logits`` (the shared expert's gate among them, logit ``E``), and :func:`_select` on
+    the first ``E``."""
+    logits = tl.sum(parts, axis=0).to(logits_ptr.dtype.element_ty)
+    tl.store(logits_ptr + t * ROWS + offs, logits, mask=offs < ROWS)
+    x_all = logits.to(tl.float32)
+    valid = offs < E
+    gate = tl.sum(tl.where(offs == E, x_all, 0.0), axis=0)
+    _select(tl.where(valid, x_all, float("-inf")), valid, offs, t, gate, weights_ptr, ids_ptr, E, K, BLOCK_E, BLOCK_K,
+            SOFTMAX, RENORM, SHARED, GATED)
+
+
+@triton.jit
 def _topk_route_kernel(logits_ptr, stride_t, weights_ptr, ids_ptr, E, K: tl.constexpr, BLOCK_E: tl.constexpr,
                        BLOCK_K: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr,
                        SHARED: tl.constexpr = 0, GATED: tl.constexpr = False, PDL: tl.constexpr = False):
@@ -169,13 +186,8 @@ def _topk_route_partials_kernel(part_ptr, T, logits_ptr, weights_ptr, ids_ptr, E
     offs_s = tl.arange(0, BLOCK_S)
     parts = tl.load(part_ptr + (offs_s[:, None] * T + t) * BLOCK_E + offs[None, :], mask=(offs_s < SPLITS)[:, None],
                     other=0.0)
-    logits = tl.sum(parts, axis=0).to(logits_ptr.dtype.element_ty)
-    tl.store(logits_ptr + t * ROWS + offs, logits, mask=offs < ROWS)
-    x_all = logits.to(tl.float32)
-    valid = offs < E
-    x = tl.where(valid, x_all, float("-inf"))
-    gate = tl.sum(tl.where(offs == E, x_all, 0.0), axis=0)
-    _select(x, valid, offs, t, gate, weights_ptr, ids_ptr, E, K, BLOCK_E, BLOCK_K, SOFTMAX, RENORM, SHARED, GATED)
+    _route_parts(parts, logits_ptr, offs, t, weights_ptr, ids_ptr, E, ROWS, K, BLOCK_E, BLOCK_K, SOFTMAX,
+                 RENORM, SHARED, GATED)
 
 
 def unsupported(method: str, num_experts: int, top_k: int) -> str | None:
