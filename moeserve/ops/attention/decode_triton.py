@@ -17,8 +17,8 @@ and its first block of cached keys and values before it waits for the QKV projec
 them), so those loads overlap the projection; a one-token step on an H200 ended its attention 5.6 µs after the
 projection where it took 8.6 µs when it waited first. After the wait the program whose split holds the new token
 reads that token's key and value with q, before it attends over its cached keys (``NEW_EARLY``), not after them:
-one round trip to L2 less on the path of the step's last split; c=1 decoded 0.4% faster on an H200 (two rounds,
-docs/results/2026-12-04-h200-z3).
+one round trip to L2 less on the path of the step's last split; c=1 decoded 0.4% and 0.5% faster in two A/Bs on
+H200s (docs/results/2026-12-04-h200-z3).
 
 Decode only: every token is its request's last (``kv_positions[t] + 1`` keys). Numerics follow the unfused
 path: q and the new k rounded to the cache dtype after the rotation as the QKV kernel rounds them, scores and
