@@ -195,15 +195,15 @@ def tuned_tables_for(device_name: str):
         clear()
 
 
-def _meta_ops(plan, moe, device: torch.device | None = None, parallel=None):
+def _meta_ops(plan, moe, parallel, device: torch.device | None = None):
     """The torch reference operators on ``meta`` (or ``device``; the linears run through the torch backend)
-    with ``moe``; ``parallel``: the rank whose shapes the model takes (one rank when None)."""
+    with ``moe``; ``parallel``: the rank whose shapes the model takes."""
     from moeserve.models.layers import Ops
     from moeserve.ops.basic import TorchActivation, TorchNorm, TorchRope
     from moeserve.ops.linear import TorchLinear
-    extra = {} if parallel is None else {"parallel": parallel}
     return Ops(linear=TorchLinear(device or torch.device("meta"), plan.dtype), norm=TorchNorm(),
-               activation=TorchActivation(), moe=moe, rope_cls=TorchRope, quantization=plan.quantization, **extra)
+               activation=TorchActivation(), moe=moe, rope_cls=TorchRope, quantization=plan.quantization,
+               parallel=parallel)
 
 
 def _rank_without_group(parallel):
@@ -245,7 +245,7 @@ def meta_moe_layer(plan, device: torch.device | None = None):
     moe = TritonMoE(meta, dtype) if fp["moe"] else TorchMoE(meta, dtype)
     if fp["moe"]:
         moe.pairwise_max_tokens = fp["moe_pairwise_max_tokens"]
-    ops = _meta_ops(plan, moe, meta, parallel=_rank_without_group(plan.parallel))
+    ops = _meta_ops(plan, moe, _rank_without_group(plan.parallel), meta)
     ops.moe_fuse_norm, ops.router_fuse_norm = fp["fuse_norm"], fp["router_fuse_norm"]
     ops.moe_fused_shared_early = fp.get("fused_shared_early", False)
     ops.moe_route_in_grid = fp.get("route_in_grid", False)
@@ -270,7 +270,7 @@ def meta_linear_shapes(plan, fp: dict) -> list[tuple[int, int, bool, torch.dtype
     shapes = set()
     # built as the plan's first rank: with tensor parallelism each rank's linears are its split (an output
     # projection of K / tp columns, an LM head of its vocabulary rows), and every rank's split has the same shape
-    model = MoECausalLM(plan.arch, _meta_ops(plan, TorchMoE(meta, dtype), parallel=plan.parallel), dtype, meta)
+    model = MoECausalLM(plan.arch, _meta_ops(plan, TorchMoE(meta, dtype), plan.parallel), dtype, meta)
     if fp["fuse_shared_expert"]:  # the shared expert's rows that stay apart are a linear of their own shape
         for block in model.moe_blocks():
             block.fuse_shared_expert(fp.get("fuse_shared_expert_pieces", 0),
