@@ -94,9 +94,6 @@ class DecodeGraphs:
         finally:
             if bar is not None:
                 bar.stop()
-        if FEED_KERNEL and self.inputs:  # load the input feed's kernel now, not at the first request's replay
-            ids, pos = self.inputs[self.sizes[0]]
-            feed_step_inputs(ids, pos, ids.clone(), pos.clone())
 
     def replay(self, bs: int, batch: StepBatch, after_plan=None) -> torch.Tensor:
         ids, pos = self.inputs[bs]
