@@ -2,9 +2,12 @@
 has several for that size, ``graph_variants``), captured largest first in a shared pool.
 
 A decode batch is padded up to the smallest captured size that holds it (padded rows read and write the
-reserved page 0); batches larger than the largest bucket run eagerly. Each graph covers the whole model
-forward and the LM head; sampling runs after it, outside the graph. Before a replay one kernel copies the step's
-ids and positions into the graph's buffers and feeds the tokens still in flight (``StepBatch.feed``).
+reserved page 0); batches larger than the largest bucket run eagerly. Each graph covers the whole model forward
+and the LM head, whose logits it leaves in the model's dtype (``MoECausalLM.greedy_logits``); where the linear
+backend finds the greedy tokens in the LM head's epilogue (one-token steps on the Triton GEMV) they are an output
+too. Sampling otherwise runs after the graph. Before a replay one kernel copies the step's ids and positions into
+the graph's buffers, feeds the tokens still in flight (``StepBatch.feed``) and copies the attention's index lists
+into its fixed buffers (what the backend's ``begin_graph`` leaves to it).
 """
 from __future__ import annotations
 
@@ -22,6 +25,9 @@ HIGH_PRIORITY = -1  # CUDA stream priorities: lower is higher; torch streams def
 # one kernel copies a replay's ids and positions in and feeds its in-flight tokens (moeserve.ops.inputs_triton; False:
 # the same in torch, seven launches: an A/B switch)
 FEED_KERNEL = True
+# the same launch copies the attention's fixed index buffers in (begin_graph's ``copies``; a replay of the Triton decode
+# then runs no FlashInfer plan; False: the backend plans and copies them itself, as before: an A/B switch)
+FEED_COPIES = True
 
 
 class DecodeGraphs:
@@ -32,7 +38,8 @@ class DecodeGraphs:
         # keyed by (batch size, the attention backend's variant)
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.outputs: dict[tuple[int, str], torch.Tensor] = {}
+        # (logits, greedy tokens or None)
+        self.outputs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.pool = None
         # Kernel nodes keep the priority of the stream they were captured on (torch instantiates graphs with
         # cudaGraphInstantiateFlagUseNodePriority). shared_expert_stream_priority puts one of the two paths on a
@@ -74,7 +81,7 @@ class DecodeGraphs:
                 dummy = self._dummy_batch(bs).attn
                 for variant in attn.graph_variants(bs):
                     attn.begin_graph(bs, dummy, variant)
-                    model.compute_logits(model(ids, pos))  # warm-up: loads kernels outside the capture
+                    model.greedy_logits(model(ids, pos))  # warm-up: loads kernels outside the capture
                     torch.cuda.synchronize(r.device)
                     g = torch.cuda.CUDAGraph()
                     side = r.ops.side_stream
@@ -83,26 +90,33 @@ class DecodeGraphs:
                     try:
                         with torch.cuda.graph(g, pool=self.pool,
                                               stream=self.high_priority_stream if first == "routed" else None):
-                            logits = model.compute_logits(model(ids, pos))
+                            out = model.greedy_logits(model(ids, pos))
                     finally:
                         r.ops.side_stream = side
                     if self.pool is None:
                         self.pool = g.pool()
-                    self.graphs[bs, variant], self.outputs[bs, variant] = g, logits
+                    self.graphs[bs, variant], self.outputs[bs, variant] = g, out
                 if bar is not None:
                     bar.update(task, advance=1, description=f"capturing decode CUDA graphs (batch {bs})")
         finally:
             if bar is not None:
                 bar.stop()
+        if FEED_KERNEL and self.inputs:  # load the input feed's kernel now, not at the first request's replay
+            ids, pos = self.inputs[self.sizes[0]]
+            feed_step_inputs(ids, pos, ids.clone(), pos.clone())
 
-    def replay(self, bs: int, batch: StepBatch, after_plan=None) -> torch.Tensor:
+    def replay(self, bs: int, batch: StepBatch, after_plan=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay the step's graph; returns its outputs for every row (padding too): the logits in the model's
+        dtype, and the greedy tokens where the graph finds them (else None)."""
         ids, pos = self.inputs[bs]
-        if FEED_KERNEL:
-            feed_step_inputs(ids, pos, batch.input_ids, batch.positions, *(batch.feed or ()))
-        else:
-            feed_step_inputs_reference(ids, pos, batch.input_ids, batch.positions, *(batch.feed or ()))
-        variant = self.runner.ops.attention.begin_graph(bs, batch.attn)
+        copies = [] if FEED_KERNEL and FEED_COPIES else None
+        variant = self.runner.ops.attention.begin_graph(bs, batch.attn, copies=copies)
         if after_plan is not None:
             after_plan()
+        if FEED_KERNEL:
+            feed_step_inputs(ids, pos, batch.input_ids, batch.positions, *(batch.feed or (None,) * 3),
+                             copies=copies or ())
+        else:
+            feed_step_inputs_reference(ids, pos, batch.input_ids, batch.positions, *(batch.feed or ()))
         self.graphs[bs, variant].replay()
         return self.outputs[bs, variant]

@@ -403,11 +403,12 @@ class ModelRunner:
     def forward_logits(self, step: StepInput) -> torch.Tensor:
         """Logits of every request of ``step`` that samples (float32 ``[S, V]``). Inputs still in flight are
         read from the sampled tokens of the last launched step."""
-        return self._forward(step)[0]
+        return self._forward(step)[0].float()
 
-    def _forward(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The sampling requests' logits, and the hidden states of every fed token when the step scores
-        prompt tokens (such a step runs eagerly)."""
+    def _forward(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The sampling requests' logits (float32, or the model's dtype from a decode graph), the hidden states of
+        every fed token when the step scores prompt tokens (such a step runs eagerly), and the requests' greedy
+        tokens where a decode graph found them (else None)."""
         items = step.requests
         prev = self._last.tokens if self._last is not None else None
         graphs = self.graphs
@@ -417,10 +418,12 @@ class ModelRunner:
             bucket = graphs.bucket(len(items))
             batch = self.builder.build(items, pad_to=bucket, prev_tokens=prev, defer_feed=True)
             self._before_plan()
-            logits = graphs.replay(bucket, batch, after_plan=self._after_plan)
+            logits, greedy = graphs.replay(bucket, batch, after_plan=self._after_plan)
             if all(it.samples for it in items):
-                return logits[:len(items)], None
-            return logits[batch.logits_indices.long()], None
+                rows = slice(0, len(items))
+            else:
+                rows = batch.logits_indices.long()
+            return logits[rows], None, None if greedy is None else greedy[rows]
         pieces = self.piecewise
         size = pieces.bucket(step.num_tokens) if pieces is not None and not scores_prompt else None
         batch = self.builder.build(items, prev_tokens=prev, pad_to=size, fixed=size is not None)
@@ -431,7 +434,7 @@ class ModelRunner:
             hidden = pieces.replay(size, batch)
         else:
             hidden = self.model(batch.input_ids, batch.positions)
-        return self.model.compute_logits(hidden[batch.logits_indices]), hidden if scores_prompt else None
+        return self.model.compute_logits(hidden[batch.logits_indices]), hidden if scores_prompt else None, None
 
     def _score_prompts(self, step: StepInput, hidden: torch.Tensor) -> PromptLogprobs | None:
         """Queue the scores of the prompt tokens of the chunks that asked: position p's logits against the
@@ -460,6 +463,7 @@ class ModelRunner:
         rows = [(r.request_id, i, r.sampling.logprobs) for i, r in enumerate(sampling) if r.sampling.logprobs is not None]
         if not rows:
             return None
+        logits = logits.float()  # a decode graph's are in the model's dtype
         if len(rows) < len(sampling):
             idx = to_device([i for _, i, _ in rows], torch.int64, self.device)
             logits, tokens = logits.index_select(0, idx), tokens.index_select(0, idx)
@@ -474,7 +478,7 @@ class ModelRunner:
         launched = LaunchedStep(step)
         if not step.requests:
             return launched
-        logits, hidden = self._forward(step)
+        logits, hidden, greedy = self._forward(step)
         if hidden is not None:
             launched.prompt_logprobs = self._score_prompts(step, hidden)
             del hidden
@@ -482,8 +486,9 @@ class ModelRunner:
         cuda = self.device.type == "cuda"
         if sampling:
             if all(r.sampling.greedy for r in sampling):  # no per-request tensors to build and copy
-                tokens = logits.argmax(dim=-1)
+                tokens = greedy if greedy is not None else logits.argmax(dim=-1)  # the same in any float dtype
             else:
+                logits = logits.float()
                 tokens = self.sampler.sample(logits, self.sampling_batch(sampling))
             launched.tokens = tokens
             launched.sampled_logprobs = self._score_sampled(sampling, logits, tokens)

@@ -524,6 +524,15 @@ class MoECausalLM(nn.Module):
             logits = p.all_gather(logits, dim=-1)[:, :self.arch.vocab_size]
         return logits.float()
 
+    def greedy_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(logits, tokens)``, what a decode graph computes: :meth:`compute_logits`'s logits left in the model's
+        dtype (``.float()`` gives them), and each row's greedy token (int64) where the linear backend finds it in
+        the LM head's epilogue (``linear_argmax``; None elsewhere, and under tensor parallelism)."""
+        p = self.ops.parallel
+        if not p.is_parallel:
+            return self.ops.linear.linear_argmax(hidden, self.lm_head)
+        return p.all_gather(self.ops.linear.linear(hidden, self.lm_head), dim=-1)[:, :self.arch.vocab_size], None
+
     def checkpoint_entries(self) -> dict[str, Entry]:
         e = {"model.embed_tokens.weight": self._vocab_entry(self.embed_tokens), "model.norm.weight": Entry(self.norm)}
         if not self.arch.tie_word_embeddings:

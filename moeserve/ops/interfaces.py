@@ -60,9 +60,11 @@ class AttentionBackend(ABC):
         that size through other kernels, as chosen in ``begin_graph``, names each way)."""
         return ("",)
 
-    def begin_graph(self, batch_size: int, inp, variant: str | None = None) -> str:
+    def begin_graph(self, batch_size: int, inp, variant: str | None = None, copies: list | None = None) -> str:
         """Plan a captured decode step of ``batch_size`` (``inp`` padded to it) and return which of
-        ``graph_variants`` it replays; ``variant`` given (at capture) is the one to set up."""
+        ``graph_variants`` it replays; ``variant`` given (at capture) is the one to set up. ``copies``: a list the
+        backend appends ``(source, fixed buffer)`` pairs of 1-d int32 device tensors to, copies into the graph's
+        buffers it leaves to the caller (made before the replay, in the caller's own launch); None: it makes them."""
         raise NotImplementedError(f"attention backend {self.name!r} cannot be captured in CUDA graphs")
 
 
@@ -122,6 +124,11 @@ class LinearBackend(ABC):
     def linear_fp8(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
         """e4m3 ``weight`` with float32 128x128 block scales."""
+
+    def linear_argmax(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(y, y.argmax(-1))`` of ``y = linear(x, weight)`` (an LM head's logits and greedy tokens, int64) where the
+        backend finds the argmax as it computes ``y``, at no launch of its own; ``(y, None)`` otherwise."""
+        return self.linear(x, weight), None
 
 
 class SamplingBackend(ABC):

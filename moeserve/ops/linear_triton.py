@@ -36,6 +36,9 @@ GEMV_MAX_ROWS = 16  # rows of x one launch takes (tl.dot's smallest tile)
 GEMV_MIN_N = 256  # narrower weights (a router) leave most SMs idle in a GEMV: cuBLAS
 GEMV_MAX_N = 1 << 18  # wider ones stay on cuBLAS; 16384 keeps the LM head (151,936 rows for Qwen) there
 ROW_PRELOAD = True  # the one-row tiles load their first weight tile before the PDL wait (gemv_row_config)
+# the LM head's GEMV finds the greedy tokens in its epilogue (linear_argmax; False: torch's argmax after the graph,
+# an A/B switch)
+FUSED_ARGMAX = True
 
 
 @triton.jit
@@ -69,11 +72,26 @@ def _x_row(x_ptrs, offs_k, k_left, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _argmax_key(v, offs_n):
+    """The key of each column's largest ``v`` ``[BLOCK_N, M_PAD]`` (rows past the weight at -inf), its first row on
+    ties: the value made an int32 that orders as the float does (-0.0 counted as 0.0) in the high half, ``2**31 - 1``
+    less the row in the low half, so that the largest int64 key is the largest value at its lowest row."""
+    mx = tl.max(v, axis=0)
+    row = tl.min(tl.where(v == mx[None, :], offs_n[:, None], 2147483647), axis=0)
+    bits = tl.where(mx == 0.0, 0.0, mx).to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - row).to(tl.int64)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr,
-                 EVEN_K: tl.constexpr, PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False):
+                 EVEN_K: tl.constexpr, PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False,
+                 best_ptr=None, ARGMAX: tl.constexpr = False):
     """``y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n])`` for ``m < M <= M_PAD``, float32 accumulation. ``PRELOAD``:
-    the first weight tile is loaded before the PDL wait (nothing in a step writes the weights), ``x`` after it."""
+    the first weight tile is loaded before the PDL wait (nothing in a step writes the weights), ``x`` after it.
+    ``ARGMAX``: each program also folds its features' largest ``y[m]`` (as stored) into ``best[m]`` with one
+    atomic max of :func:`_argmax_key` (``best`` int64 ``[M]``, reset by :func:`_greedy_tokens_kernel`)."""
     if not PRELOAD:
         wait_prior(PDL)
     pid = tl.program_id(0)
@@ -102,7 +120,27 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows_n).to(tl.float32)[:, None]
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_n[:, None] < N) & m_mask[None, :])
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptrs, y, mask=(offs_n[:, None] < N) & m_mask[None, :])
+    if ARGMAX:
+        v = tl.where((offs_n < N)[:, None], y.to(tl.float32), float("-inf"))
+        tl.atomic_max(best_ptr + offs_m, _argmax_key(v, offs_n), mask=m_mask, sem="relaxed")
+
+
+BEST_EMPTY = -(1 << 63)  # an argmax slot no program has written (below every key)
+_EMPTY = tl.constexpr(BEST_EMPTY)
+
+
+@triton.jit
+def _greedy_tokens_kernel(best_ptr, tokens_ptr, M, BLOCK_M: tl.constexpr, PDL: tl.constexpr = False):
+    """``tokens[m]`` = the row of the largest logit :func:`_gemv_kernel` (``ARGMAX``) found for row ``m``; empties
+    ``best`` for the next launch."""
+    wait_prior(PDL)
+    offs = tl.arange(0, BLOCK_M)
+    mask = offs < M
+    key = tl.load(best_ptr + offs, mask=mask, other=0)
+    tl.store(tokens_ptr + offs, 0x7FFFFFFF - (key & 0x7FFFFFFF), mask=mask)
+    tl.store(best_ptr + offs, tl.full((BLOCK_M,), _EMPTY, tl.int64), mask=mask)
 
 
 @triton.jit
@@ -223,6 +261,32 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return y.reshape(*lead, n)
 
 
+def gemv_argmax(x: torch.Tensor, weight: torch.Tensor, best: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, tokens)``: ``y = x @ weight^T`` as :func:`gemv` computes it (:func:`_gemv_kernel` with
+    :func:`gemv_config`'s tiles) and ``tokens = y.argmax(-1)`` (int64, the first of equal values, as torch's), found
+    in the GEMV's epilogue and read by one more launch. ``best``: int64, at least as many entries as ``x`` has rows,
+    every one :data:`BEST_EMPTY` (as this leaves them)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = weight.shape[0]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if not 0 < m <= GEMV_MAX_ROWS:
+        raise ValueError(f"gemv_argmax takes 1 to {GEMV_MAX_ROWS} rows, got {m}")
+    if best.dtype != torch.int64 or best.numel() < m:
+        raise ValueError(f"gemv_argmax: best must be int64 with at least {m} entries")
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    tokens = torch.empty(m, dtype=torch.int64, device=x.device)
+    c = gemv_config(n, k)
+    _gemv_kernel[(triton.cdiv(n, c["BLOCK_N"]),)](
+        x2, weight, weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=False,
+        BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], M_PAD=GEMV_MAX_ROWS, EVEN_K=k % c["BLOCK_K"] == 0,
+        num_warps=c["num_warps"], num_stages=c["num_stages"], best_ptr=best, ARGMAX=True, **launch_kwargs(m))
+    _greedy_tokens_kernel[(1,)](best, tokens, m, BLOCK_M=GEMV_MAX_ROWS, num_warps=1, **launch_kwargs(m))
+    return y.reshape(*lead, n), tokens.reshape(lead)
+
+
 class TritonLinear(LinearBackend):
     """Steps of at most ``max_tokens`` rows (bf16/fp16 weights): :func:`gemv`; larger steps: ``F.linear``."""
 
@@ -231,6 +295,8 @@ class TritonLinear(LinearBackend):
     def __init__(self, device: torch.device, dtype: torch.dtype, max_tokens: int = 1):  # linear_gemv_max_tokens
         super().__init__(device, dtype)
         self.max_tokens = min(max_tokens, GEMV_MAX_ROWS)
+        # gemv_argmax's slots, each empty between launches
+        self.argmax_slots = torch.full((GEMV_MAX_ROWS,), BEST_EMPTY, dtype=torch.int64, device=device)
 
     def takes_shape(self, rows: int, n: int, dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
         """Whether a step of ``rows`` rows times an ``[n, *]`` weight runs the GEMV (also what ``moeserve
@@ -250,6 +316,17 @@ class TritonLinear(LinearBackend):
         if self.takes(x, weight):
             return self._gemv(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    @eager
+    def _gemv_argmax(self, x, weight):
+        return gemv_argmax(x, weight, self.argmax_slots)
+
+    def linear_argmax(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Steps the GEMV takes (``takes``) whose weight has more than 4,096 rows (an LM head) find the argmax in
+        its epilogue (:func:`gemv_argmax`, with :data:`FUSED_ARGMAX`); the others leave it (None)."""
+        if FUSED_ARGMAX and self.takes(x, weight) and gemv_row_config(*weight.shape) is None:
+            return self._gemv_argmax(x, weight)
+        return super().linear_argmax(x, weight)
 
     def linear_fp8(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:

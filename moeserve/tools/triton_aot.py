@@ -361,7 +361,8 @@ def _pdl_step_sizes(pdl_bound: int, largest: int) -> list[int]:
 def launch_every_kernel(plan, on_step=None) -> None:
     """Run, on ``meta`` tensors, every Triton launch the plan can make: the attention's QKV kernel, the MoE
     layer (router, routing, fused MoE, combine) for each step size from 1 to the largest, the residual add +
-    RMSNorm of small steps, the decode graphs' input feed, and the GEMV for each linear and small step. Inside
+    RMSNorm of small steps, the decode graphs' input feed, the GEMV for each linear and small step, and the decode
+    graphs' LM head with the greedy tokens in its epilogue. Inside
     ``compile_session`` each launch compiles (or lists) its kernel instead of running. ``on_step(t)`` is called
     before the step of ``t`` tokens, ``on_step(None)`` before the input feed and the GEMVs."""
     from moeserve.ops import pdl
@@ -409,6 +410,13 @@ def launch_every_kernel(plan, on_step=None) -> None:
                         gemv(torch.empty((rows, k), dtype=plan.dtype, device=meta),
                              torch.empty((n, k), dtype=wdtype, device=meta),
                              torch.empty((n,), dtype=wdtype, device=meta) if bias else None)
+            if fp.get("decode_graphs") and not plan.parallel.is_parallel:  # the graphs' LM head with its argmax
+                from moeserve.ops.linear_triton import gemv_argmax, gemv_row_config
+                n, k = plan.arch.vocab_size, plan.arch.hidden_size
+                for rows in range(1, lin.max_tokens + 1):  # as TritonLinear.linear_argmax decides
+                    if lin.takes_shape(rows, n, plan.dtype, plan.dtype) and gemv_row_config(n, k) is None:
+                        gemv_argmax(torch.empty((rows, k), dtype=plan.dtype, device=meta),
+                                    torch.empty((n, k), dtype=plan.dtype, device=meta), lin.argmax_slots)
 
 
 def list_kernels(plan, capability: tuple[int, int], device_name: str, scratch: Path) -> list[dict]:

@@ -119,6 +119,49 @@ def test_async_scheduling_gives_the_tokens_of_sync_steps_on_the_gpu(tmp_path):
     assert outs[True] == outs[False]
 
 
+def test_decode_graphs_greedy_tokens_and_index_copies_match_the_plain_replay(tmp_path, monkeypatch):
+    """A vocabulary of 8,192 rows (the LM head on the Triton GEMV with the argmax in its epilogue in one-token
+    steps, ``linear_triton.FUSED_ARGMAX``) and the attention's index lists copied in by the input feed
+    (``graphs.FEED_COPIES``; steps of 5 requests replay the Triton decode's graph of 8): the tokens, one request at a
+    time and five at once under asynchronous scheduling, are those of the engine with both switched off (torch's
+    argmax after the graph, FlashInfer's plan copying the lists), exactly."""
+    from moeserve.engine import graphs as graphs_mod
+    from moeserve.engine.sampling_params import SamplingParams
+    from moeserve.ops import linear_triton
+    make_checkpoint("qwen2_moe", tmp_path, seed=31, **{**GPU_QWEN2, "vocab_size": 8192})
+    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
+    g = torch.Generator().manual_seed(33)
+    prompts = [torch.randint(0, 8192, (n,), generator=g).tolist() for n in (7, 60, 3, 25, 90)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run(eng, batch):
+        seqs = [eng.add_request(p, params) for p in batch]
+        while eng.has_unfinished():
+            eng.step()
+        return [list(s.output_token_ids) for s in seqs]
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setattr(linear_triton, "FUSED_ARGMAX", on)
+        monkeypatch.setattr(graphs_mod, "FEED_COPIES", on)
+        eng = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, async_scheduling=True)
+        gr = eng.runner.graphs
+        assert (gr.outputs[1, "flashinfer"][1] is not None) == on  # the one-token graph's tokens
+        assert gr.outputs[8, "triton"][1] is None  # more rows than the GEMV takes: the argmax after the graph
+        att, replayed = eng.runner.ops.attention, []
+        begin = att.begin_graph
+
+        def spy(bs, inp, variant=None, copies=None):
+            replayed.append((bs, begin(bs, inp, variant, copies), copies is not None))
+            return replayed[-1][1]
+        att.begin_graph = spy
+        outs[on] = [run(eng, [p]) for p in prompts] + [run(eng, prompts)]
+        assert {(1, "flashinfer", on), (8, "triton", on)} <= set(replayed)
+        del eng, att
+        torch.cuda.empty_cache()
+    assert [len(o) for o in outs[True][-1]] == [12] * len(prompts)
+    assert outs[True] == outs[False]
+
+
 def test_shared_expert_on_a_side_stream_matches_one_stream(tmp_path):
     """Qwen2-MoE with the shared expert on a second CUDA stream (overlapped with the routed experts, inside the
     decode CUDA graphs) gives the logits of the one-stream engine: same kernels, only their overlap differs."""
@@ -221,8 +264,8 @@ def test_triton_decode_graphs_give_way_to_flashinfer_past_the_context_bound(tmp_
             (8, "flashinfer")} == keys
     replayed, begin = [], att.begin_graph
 
-    def spy(bs, inp, variant=None):  # (batch size, longest request, the variant replayed) of each graph step
-        replayed.append((bs, max(inp.seq_lens), begin(bs, inp, variant)))
+    def spy(bs, inp, variant=None, copies=None):  # (batch size, longest request, the variant replayed) of each step
+        replayed.append((bs, max(inp.seq_lens), begin(bs, inp, variant, copies)))
         return replayed[-1][2]
     att.begin_graph = spy
     ref = engine(tmp_path, {k: "torch" for k in TORCH_OPS}, eager=True)

@@ -110,6 +110,66 @@ def test_flashinfer_decode_graph_matches_eager():
         assert rel_err(got, eager) < 1e-3, f"trial {trial}"
 
 
+@pytest.mark.parametrize("copies", [False, True])
+def test_triton_decode_graph_follows_its_steps_with_the_copies_left_to_the_caller(copies):
+    """A decode graph of the one-kernel Triton decode (``forward_qkv``), replayed over new steps: with
+    ``begin_graph(..., copies=[])`` the backend plans nothing and hands over the step's positions, ``kv_indptr`` and
+    ``kv_indices``, which ``feed_step_inputs`` copies in (as the engine's replay does); without, it plans and copies
+    them itself. Either way each replay matches the same step run eagerly by a fresh backend (bf16 tolerance) and
+    writes the same keys and values into the cache (bit for bit, the padding rows' page 0 aside)."""
+    from moeserve.engine.batch import BatchBuilder
+    from moeserve.ops.attention.flashinfer import FlashInferAttention
+    from moeserve.ops.basic import rope_cos_sin_cache
+    from moeserve.ops.inputs_triton import feed_step_inputs
+    g = torch.Generator(device=dev()).manual_seed(23)
+    heads, kv_heads, head_dim, page_size, bucket = 16, 16, 128, 16, 4
+    kv, _ = _paged_case(g, page_size, kv_heads, head_dim, [])
+    cos_sin = rope_cos_sin_cache(head_dim, 4096, 1e6, None, dev())
+
+    def backend(cache):
+        a = FlashInferAttention(cache, heads, kv_heads, head_dim, head_dim ** -0.5, dev(), torch.bfloat16)
+        assert a.enable_triton_decode(8, head_dim)
+        return a
+    attn = backend(kv)
+    attn.init_graph(bucket, 64)
+    assert attn.graph_variants(bucket) == ("triton", "flashinfer")
+    builder = BatchBuilder(page_size, 8192, 64, kv.num_pages + 64, dev())
+    qkv = torch.zeros(bucket, (heads + 2 * kv_heads) * head_dim, device=dev(), dtype=torch.bfloat16)
+    pos = torch.zeros(bucket, dtype=torch.int32, device=dev())
+    attn.begin_graph(bucket, builder.build([], pad_to=bucket).attn, "triton")
+    attn.forward_qkv(0, qkv, pos, cos_sin, None, None, 1e-6)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_static = attn.forward_qkv(0, qkv, pos, cos_sin, None, None, 1e-6)
+    for trial, specs in enumerate([[(10, 1), (200, 1), (33, 1)], [(500, 1)] * 4, [(1, 1), (63, 1)]]):
+        kv2, items = _paged_case(g, page_size, kv_heads, head_dim, specs)
+        kv.data.copy_(kv2.data)
+        n = len(specs)
+        batch = builder.build(items, pad_to=bucket)
+        qkv.copy_(torch.randn(qkv.shape, device=dev(), dtype=torch.bfloat16, generator=g))
+        snapshot = kv.data.clone()
+        handed = [] if copies else None
+        assert attn.begin_graph(bucket, batch.attn, copies=handed) == "triton"
+        if copies:  # the positions, the page list's offsets and the pages; nothing planned
+            assert [b.data_ptr() for _, b in handed] == [attn.graphs[bucket].inputs.kv_indptr.data_ptr(),
+                                                         attn.graphs[bucket].inputs.kv_indices.data_ptr(),
+                                                         attn.graphs[bucket].inputs.token_positions.data_ptr()]
+        feed_step_inputs(torch.empty_like(pos), pos, batch.input_ids, batch.positions, copies=handed or ())
+        graph.replay()
+        got = out_static[:n].clone()
+        got_cache = kv.data.clone()
+        kv.data.copy_(snapshot)
+        ref_attn = backend(kv)
+        ref_attn.begin(builder.build(items).attn)
+        assert ref_attn.decode_variant == "triton"
+        eager = ref_attn.forward_qkv(0, qkv[:n], batch.positions[:n], cos_sin, None, None, 1e-6)
+        torch.cuda.synchronize()
+        assert rel_err(got, eager) < BF16_REL, f"trial {trial}"
+        # page 0 takes the padding rows' keys in the graph only
+        assert torch.equal(got_cache[:, 1:], kv.data[:, 1:]), f"trial {trial}: the cache"
+
+
 # --- norm, rope, activation --------------------------------------------------------------------
 
 def test_flashinfer_norms_match_torch():

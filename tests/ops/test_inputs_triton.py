@@ -15,37 +15,46 @@ pytest.importorskip("triton")
 from triton_interpreter import is_worker, patch_for_numpy, run_worker  # noqa: E402
 
 SEED = int(os.environ.get("MOESERVE_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-# (rows, fed rows, previous step's tokens): one row fed, a padded step, more rows than one pass, none fed
-CASES = {"one": (1, 1, 1), "padded": (4, 3, 5), "long": (150, 70, 90), "none": (5, 0, 0)}
+# (rows, fed rows, previous step's tokens, other copies (entries, buffer size)): one row fed, a padded step, more rows
+# than one pass, none fed; with the attention's index lists as a decode graph's replay copies them (positions,
+# kv_indptr, kv_indices), the page list longer than one pass of the copy
+CASES = {"one": (1, 1, 1, ()), "padded": (4, 3, 5, ()), "long": (150, 70, 90, ()), "none": (5, 0, 0, ()),
+         "copies": (4, 4, 4, ((4, 4), (5, 5), (37, 64))),
+         "copies-long": (32, 20, 32, ((32, 32), (33, 33), (2500, 2600))),
+         "copy-only": (3, 0, 0, ((3, 3),))}
 
 
-def make_case(rows: int, fed: int, prev_n: int, gen: torch.Generator, device="cpu"):
-    """``(ids, pos, dst, src, prev)`` as a step's packed buffer holds them: int32 slices of one buffer (ids 0 where
-    fed), distinct ``dst``, the previous step's tokens int64."""
+def make_case(rows: int, fed: int, prev_n: int, copy_lens, gen: torch.Generator, device="cpu"):
+    """``(ids, pos, dst, src, prev, copies)`` as a step's packed buffer holds them: int32 slices of one buffer (ids 0
+    where fed), distinct ``dst``, the previous step's tokens int64; ``copies``: ``(source, buffer size)`` pairs,
+    the sources more slices of the buffer."""
     ids = torch.randint(0, 150_000, (rows,), generator=gen, dtype=torch.int32)
     pos = torch.randint(0, 4096, (rows,), generator=gen, dtype=torch.int32)
     dst = torch.randperm(rows, generator=gen)[:fed].to(torch.int32)
     ids[dst.long()] = 0
     src = torch.randint(0, max(1, prev_n), (fed,), generator=gen, dtype=torch.int32)
     prev = torch.randint(0, 150_000, (max(1, prev_n),), generator=gen, dtype=torch.int64)
-    packed = torch.cat([torch.zeros(3, dtype=torch.int32), ids, pos, dst, src])  # slices at odd offsets
+    others = [torch.randint(-5, 100_000, (n,), generator=gen, dtype=torch.int32) for n, _ in copy_lens]
+    packed = torch.cat([torch.zeros(3, dtype=torch.int32), ids, pos, dst, src, *others])  # slices at odd offsets
     o = 3
     views = []
-    for n in (rows, rows, fed, fed):
+    for n in (rows, rows, fed, fed, *(n for n, _ in copy_lens)):
         views.append(packed[o:o + n].to(device))
         o += n
-    return (*views, prev.to(device))
+    return (*views[:4], prev.to(device), [(a, size) for a, (_, size) in zip(views[4:], copy_lens)])
 
 
 def run(fn, case):
-    ids, pos, dst, src, prev = case
+    """The feed's outputs: ids, positions, and each other copy's buffer (-7 where nothing was copied)."""
+    ids, pos, dst, src, prev, others = case
     ids_out = torch.full_like(ids, -7)
     pos_out = torch.full_like(pos, -7)
+    copies = [(a, torch.full((size,), -7, dtype=torch.int32, device=a.device)) for a, size in others]
     if dst.numel():
-        fn(ids_out, pos_out, ids, pos, dst, src, prev)
+        fn(ids_out, pos_out, ids, pos, dst, src, prev, copies=copies)
     else:
-        fn(ids_out, pos_out, ids, pos)
-    return ids_out, pos_out
+        fn(ids_out, pos_out, ids, pos, copies=copies)
+    return ids_out, pos_out, [b for _, b in copies]
 
 
 def _interpreter_worker(in_path: str, out_path: str) -> None:
@@ -66,10 +75,14 @@ def test_feed_matches_the_torch_gather_under_the_interpreter(interpreted, name):
     from moeserve.ops.inputs_triton import feed_step_inputs_reference
     inputs, outputs = interpreted
     case = inputs[name]
-    ids_out, pos_out = outputs[name]
-    ref_ids, ref_pos = run(feed_step_inputs_reference, case)
+    ids_out, pos_out, bufs = outputs[name]
+    ref_ids, ref_pos, ref_bufs = run(feed_step_inputs_reference, case)
     assert torch.equal(ids_out, ref_ids), f"seed {SEED}, {name}: ids"
     assert torch.equal(pos_out, ref_pos), f"seed {SEED}, {name}: positions"
+    assert len(bufs) == len(ref_bufs) == len(case[5])
+    for (a, size), b, ref in zip(case[5], bufs, ref_bufs):  # the source in front, the rest untouched
+        assert torch.equal(b, ref), f"seed {SEED}, {name}: a copy of {a.shape[0]} entries"
+        assert torch.equal(b[:a.shape[0]], a) and bool((b[a.shape[0]:] == -7).all())
     fed = case[2].long()
     if fed.numel():  # the fed rows hold the previous step's tokens, the others the step's own ids
         assert torch.equal(ids_out[fed], case[4][case[3].long()].to(torch.int32))
@@ -85,6 +98,12 @@ def test_feed_refuses_mismatched_shapes():
         feed_step_inputs_reference(torch.zeros(3, dtype=torch.int32), ids.clone(), ids, ids)
     with pytest.raises(ValueError, match="one per dst"):
         feed_step_inputs_reference(ids.clone(), ids.clone(), ids, ids, ids[:2], ids[:1], torch.zeros(2))
+    with pytest.raises(ValueError, match="a copy of 4 torch.int32 entries into 3"):
+        feed_step_inputs_reference(ids.clone(), ids.clone(), ids, ids, copies=[(ids, ids[:3].clone())])
+    with pytest.raises(ValueError, match="int32 into at least as many"):
+        feed_step_inputs_reference(ids.clone(), ids.clone(), ids, ids, copies=[(ids.long(), ids.clone())])
+    with pytest.raises(ValueError, match="4 other copies, at most 3"):
+        feed_step_inputs_reference(ids.clone(), ids.clone(), ids, ids, copies=[(ids, ids.clone())] * 4)
 
 
 def test_deferred_feed_fills_the_rows_the_builder_would():
@@ -116,9 +135,11 @@ def test_feed_matches_the_torch_gather_gpu():
     gen = torch.Generator().manual_seed(SEED)
     for name, spec in CASES.items():
         case = make_case(*spec, gen, device="cuda")
-        got = run(feed_step_inputs, case)
-        ref = run(feed_step_inputs_reference, case)
-        assert all(torch.equal(a, b) for a, b in zip(got, ref)), f"seed {SEED}, {name}"
+        ids, pos, bufs = run(feed_step_inputs, case)
+        ref_ids, ref_pos, ref_bufs = run(feed_step_inputs_reference, case)
+        assert torch.equal(ids, ref_ids) and torch.equal(pos, ref_pos), f"seed {SEED}, {name}"
+        assert len(bufs) == len(case[5]), f"seed {SEED}, {name}"
+        assert all(torch.equal(a, b) for a, b in zip(bufs, ref_bufs)), f"seed {SEED}, {name}"
 
 
 if __name__ == "__main__" and is_worker(sys.argv):

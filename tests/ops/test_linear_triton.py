@@ -55,11 +55,39 @@ CPU_CASES = {
 }
 
 
+# the LM head's GEMV with the argmax in its epilogue (gemv_argmax, gemv_config's tiles): (M, N, K, dtype, case)
+# "ties": row 0's largest output's weight row copied to a row before it and one after it, in other programs;
+# "negative": every output below zero; "zero": every output +0.0
+ARGMAX_CASES = {"M1-ties": (1, 4500, 64, torch.float16, "ties"), "M3-ties": (3, 700, 96, torch.float16, "ties"),
+                "M1-negative": (1, 300, 64, torch.float32, "negative"), "M2-zero": (2, 100, 32, torch.float32, "zero"),
+                "M16": (16, 260, 40, torch.float16, "random")}  # (the interpreter has no bf16)
+
+
+def make_argmax_case(m, n, k, dtype, kind, gen):
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k ** 0.5
+    if kind == "ties":  # small integers over 8: every sum exact in float32 in any order, so copied rows tie exactly
+        x = torch.randint(-2, 3, (m, k), generator=gen).float()
+        w = torch.randint(-2, 3, (n, k), generator=gen) / 8
+        top = int((x[0] @ w.T).argmax())
+        low, high = top // 3, (top + n) // 2 + 1
+        w[low], w[high] = w[top], w[top]
+    elif kind == "negative":
+        x, w = x.abs(), -w.abs()
+    elif kind == "zero":
+        x = torch.zeros(m, k)
+    return x.to(dtype), w.to(dtype)
+
+
 def _worker(in_path: str, out_path: str) -> None:
     patch_for_numpy()
-    from moeserve.ops.linear_triton import gemv
+    from moeserve.ops.linear_triton import BEST_EMPTY, GEMV_MAX_ROWS, gemv, gemv_argmax
     inputs = torch.load(in_path)
-    torch.save({name: gemv(x, w, b, cfg) for name, (x, w, b, cfg) in inputs.items()}, out_path)
+    out = {name: gemv(x, w, b, cfg) for name, (x, w, b, cfg) in inputs["gemv"].items()}
+    best = torch.full((GEMV_MAX_ROWS,), BEST_EMPTY, dtype=torch.int64)
+    for name, (x, w) in inputs["argmax"].items():  # each case launched twice on the same slots
+        out[name] = (*gemv_argmax(x, w, best), gemv_argmax(x, w, best)[1], best.clone())
+    torch.save(out, out_path)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +99,9 @@ def interpreted(tmp_path_factory):
         w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
         b = torch.randn(n, generator=gen).to(dtype) if bias else None
         inputs[name] = (x, w, b, cfg)
-    return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("gemv"), SEED)
+    argmax = {name: make_argmax_case(*spec, gen) for name, spec in ARGMAX_CASES.items()}
+    outputs = run_worker(__file__, {"gemv": inputs, "argmax": argmax}, tmp_path_factory.mktemp("gemv"), SEED)
+    return {**inputs, **argmax}, outputs
 
 
 @pytest.mark.parametrize("name", list(CPU_CASES))
@@ -86,6 +116,30 @@ def test_gemv_interpreter(interpreted, name):
     elif ref.numel():
         err = float((y.double() - ref).abs().max() / ref.abs().max())
         assert err < HALF_REL_TOL, f"seed {SEED}: max relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("name", list(ARGMAX_CASES))
+def test_gemv_argmax_interpreter(interpreted, name):
+    """``gemv_argmax``: the logits :func:`gemv` computes, and their argmax as torch's (the first of equal values),
+    at a second launch on the same slots too, which it leaves empty."""
+    from moeserve.ops.linear_triton import BEST_EMPTY, gemv_config
+    inputs, outputs = interpreted
+    x, w = inputs[name]
+    y, tokens, again, best = outputs[name]
+    ref = F.linear(x.double(), w.double())
+    assert y.dtype == x.dtype and tokens.dtype == torch.int64 and tokens.shape == (x.shape[0],)
+    assert float((y.double() - ref).abs().max()) <= HALF_REL_TOL * max(float(ref.abs().max()), 1e-6), f"seed {SEED}"
+    assert torch.equal(tokens, y.argmax(dim=-1)) and torch.equal(again, tokens), f"seed {SEED}: {tokens} {again}"
+    assert bool((best == BEST_EMPTY).all())
+    kind = ARGMAX_CASES[name][4]
+    block = gemv_config(w.shape[0], w.shape[1])["BLOCK_N"]
+    if kind == "ties":  # row 0's largest value sits at three rows, in three programs; the first wins
+        top = (y[0] == y[0].max()).nonzero().flatten().tolist()
+        assert len(top) >= 3 and len({r // block for r in top}) >= 3 and tokens[0] == top[0]
+    elif kind == "negative":
+        assert bool((y < 0).all())
+    elif kind == "zero":
+        assert tokens.tolist() == [0] * x.shape[0]
 
 
 def test_gemv_refuses_more_rows_than_one_tile():
@@ -178,6 +232,50 @@ def test_gemv_gpu_against_float32(name, dtype):
         ref = F.linear(x.float(), w.float(), None if b is None else b.float())
         err = float((y.float() - ref).abs().max() / ref.abs().max())
         assert y.dtype == dtype and err < HALF_REL_TOL, f"seed {SEED}: {name} M={m}: max relative error {err:.3g}"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 3])
+def test_lm_head_argmax_in_a_cuda_graph_matches_torch(m):
+    """The backend's ``linear_argmax`` on the Qwen1.5-MoE LM head (151,936 x 2048) after a PDL producer (the Triton
+    add + RMSNorm), captured once and replayed on new inputs: the logits are :func:`gemv`'s bit for bit and the
+    tokens torch's argmax of them, also when the largest logit is tied across programs (the first row wins)."""
+    from moeserve.ops import pdl
+    from moeserve.ops.linear_triton import TritonLinear, gemv
+    from moeserve.ops.norm_triton import add_rmsnorm
+    n, k, _ = QWEN15_LINEARS["lm_head"]
+    lin = TritonLinear(torch.device("cuda"), torch.bfloat16, max_tokens=4)
+    gen = torch.Generator(device="cuda").manual_seed(SEED + m)
+    w = (torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).bfloat16()
+    gamma = torch.rand(k, generator=gen, device="cuda").bfloat16() + 0.5
+    x, res = (torch.randn(m, k, generator=gen, device="cuda").bfloat16() for _ in range(2))
+    with pdl.enabled_as(m):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            lin.linear_argmax(add_rmsnorm(x.clone(), res.clone(), gamma, 1e-6)[0], w)  # compile outside the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=s):
+                logits, tokens = lin.linear_argmax(add_rmsnorm(x, res, gamma, 1e-6)[0], w)
+        torch.cuda.current_stream().wait_stream(s)
+    for replay in range(4):
+        x0, r0 = (torch.randn(m, k, generator=gen, device="cuda").bfloat16() for _ in range(2))
+        normed, _ = add_rmsnorm(x0.clone(), r0.clone(), gamma, 1e-6)
+        if replay == 3:  # row 0's largest logit at two more rows, one before it, one after
+            top = int(gemv(normed, w)[0].float().argmax())
+            low, high = top // 2, (top + n) // 2
+            w[low], w[high] = w[top], w[top]
+        x.copy_(x0)
+        res.copy_(r0)
+        graph.replay()
+        torch.cuda.synchronize()
+        expect = gemv(normed, w)
+        torch.testing.assert_close(logits, expect, rtol=0, atol=0)
+        assert torch.equal(tokens, expect.argmax(dim=-1)), f"seed {SEED}, replay {replay}: {tokens} {expect.argmax(-1)}"
+        if replay == 3:  # identical weight rows: identical sums (each output's K order is the same)
+            assert expect[0, low] == expect[0, top] == expect[0, high] and tokens[0] == min(low, top), f"seed {SEED}"
+    assert bool((lin.argmax_slots == -(1 << 63)).all())
 
 
 @gpu

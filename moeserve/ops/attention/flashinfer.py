@@ -216,15 +216,33 @@ class FlashInferAttention(AttentionBackend):
         ws = self.decode_ws
         return ("triton", "flashinfer") if ws is not None and ws.serves(batch_size) else ("flashinfer",)
 
-    def begin_graph(self, batch_size: int, inp: AttentionInputs, variant: str | None = None) -> str:
+    def begin_graph(self, batch_size: int, inp: AttentionInputs, variant: str | None = None,
+                    copies: list | None = None) -> str:
         """Plan the captured wrapper for this step (``inp`` already padded to ``batch_size``); returns the graph
-        variant it replays (``variant``, when given, at capture)."""
+        variant it replays (``variant``, when given, at capture).
+
+        With ``copies`` (a list), the step's positions go to the caller's copy, and a step of the Triton decode,
+        whose kernel reads only the positions, ``kv_indptr`` and ``kv_indices``, is not planned: those two go there
+        too. FlashInfer's plan of a graph's wrapper copies its index lists into the fixed buffers and its plan
+        into the workspace, four copies on the step's stream (three from the host) that a replay of the Triton
+        decode does not read."""
         g = self.graphs[batch_size]
-        self._plan_decode(g.wrapper, inp)
-        g.inputs.token_positions.copy_(inp.token_positions, non_blocking=True)
-        self.inp = g.inputs
-        self.wrapper = g.wrapper
         self.decode_variant = variant or self._decode_variant(batch_size, inp)
+        fixed = g.inputs
+        if copies is None:
+            self._plan_decode(g.wrapper, inp)
+            fixed.token_positions.copy_(inp.token_positions, non_blocking=True)
+        else:
+            if self.decode_variant != "triton":
+                self._plan_decode(g.wrapper, inp)
+            else:
+                if inp.kv_indices.shape[0] > fixed.kv_indices.shape[0]:
+                    raise ValueError(f"a decode step of {batch_size} requests lists {inp.kv_indices.shape[0]} "
+                                     f"pages, more than its graph's {fixed.kv_indices.shape[0]}")
+                copies += [(inp.kv_indptr, fixed.kv_indptr), (inp.kv_indices, fixed.kv_indices)]
+            copies.append((inp.token_positions, fixed.token_positions))
+        self.inp = fixed
+        self.wrapper = g.wrapper
         return self.decode_variant
 
 
