@@ -161,9 +161,10 @@ def test_triton_decode_graph_follows_its_steps_with_the_copies_left_to_the_calle
         got_cache = kv.data.clone()
         kv.data.copy_(snapshot)
         ref_attn = backend(kv)
-        ref_attn.begin(builder.build(items).attn)
+        eager_batch = BatchBuilder(page_size, 8192, 64, kv.num_pages + 64, dev()).build(items)  # own buffers
+        ref_attn.begin(eager_batch.attn)
         assert ref_attn.decode_variant == "triton"
-        eager = ref_attn.forward_qkv(0, qkv[:n], batch.positions[:n], cos_sin, None, None, 1e-6)
+        eager = ref_attn.forward_qkv(0, qkv[:n], eager_batch.positions, cos_sin, None, None, 1e-6)
         torch.cuda.synchronize()
         assert rel_err(got, eager) < BF16_REL, f"trial {trial}"
         # page 0 takes the padding rows' keys in the graph only
