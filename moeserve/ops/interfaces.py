@@ -127,7 +127,8 @@ class LinearBackend(ABC):
 
     def linear_argmax(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(y, y.argmax(-1))`` of ``y = linear(x, weight)`` (an LM head's logits and greedy tokens, int64) where the
-        backend finds the argmax as it computes ``y``, at no launch of its own; ``(y, None)`` otherwise."""
+        backend finds the argmax as it computes ``y`` (in the linear's epilogue, not in a pass over ``y``); ``(y,
+        None)`` otherwise."""
         return self.linear(x, weight), None
 
 
