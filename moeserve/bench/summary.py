@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -87,7 +88,10 @@ def markdown_table(summary: dict, workload: str = "decode") -> str:
         row += [_fmt(get(n, "roofline_fraction"), "frac") for n in others]
         lines.append("| " + " | ".join(row) + " |")
     v = summary["versions"]
-    caption = (f"{summary['gpu']}, {summary['date']}, commit `{summary['commit']}`; "
+    commit = str(summary["commit"])
+    if re.fullmatch(r"[0-9a-f]{40}", commit):  # a full hash: its short form, as git log --oneline names it
+        commit = commit[:7]
+    caption = (f"{summary['gpu']}, {summary['date']}, commit `{commit}`; "
                f"{summary['model']['name']} ({summary['model']['dtype']}), weights: {summary['weights']}; "
                f"{summary['prompt_len']}-token prompts, {summary['output_len']} output tokens, greedy, median of "
                f"{summary['runs']} runs; " + ", ".join(f"{k} {val}" for k, val in v.items() if val))

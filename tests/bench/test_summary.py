@@ -38,6 +38,9 @@ def test_summary_carries_the_provenance_and_every_cell():
     assert "| 80.0% | 74.0% |" in table  # one decimal: 89.6% must not read as 90%
     # the fractions' denominator is named: it differs between GPUs of one kind
     assert s["copy_bandwidth_gb_s"] == 4086.7 and "copy bandwidth measured in the run, 4,087 GB/s" in table
+    full = {**result(), "commit": "85ac4162cfd2406c1575c294b8306beeb83c9eeb"}  # a full hash: kept, captioned short
+    assert summarize(full)["commit"] == full["commit"] and "commit `85ac416`;" in markdown_table(summarize(full))
+    assert "commit `abc1234`;" in table
     without = result()
     del without["roofline"]
     assert summarize(without)["copy_bandwidth_gb_s"] is None and "GB/s" not in markdown_table(summarize(without))
