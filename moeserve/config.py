@@ -280,7 +280,11 @@ class EngineConfig(_Strict):
         "kernels (router, routing, expert GEMM)")
     moe_fuse_norm: bool = Field(
         False, description="Triton MoE on unquantised experts, one GPU: the MoE combine also adds the block's output "
-        "to the residual and applies the next layer's input norm (or the final norm), one launch per layer fewer")
+        "to the residual and applies the next layer's input norm (or the final norm), one launch per layer fewer, "
+        "at every step size")
+    moe_fuse_norm_max_tokens: int = Field(
+        0, ge=0, description="moe_fuse_norm for steps of at most this many tokens only (the fused combine is one "
+        "program per token: slower than the plain combine and the norm at 2 to 32 tokens on an H200); 0 none")
     linear_gemv_max_tokens: int = Field(
         1, ge=0, le=16, description="with backends.linear: triton, steps of at most this many tokens run moeserve's "
         "Triton GEMV instead of cuBLAS (on an H200 it was faster at one token, slower at two); 0 always runs cuBLAS")

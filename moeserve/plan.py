@@ -105,10 +105,18 @@ class RuntimePlan:
 
     @property
     def moe_fuse_norm(self) -> bool:
-        """Whether the MoE combine applies the next norm (``moe_fuse_norm``; where the MoE backend can,
-        ``MoEBackend.fuses_norm``): unquantised experts of one rank, not under torch.compile."""
+        """Whether the MoE combine applies the next norm at every step size (``moe_fuse_norm``; where the MoE
+        backend can, ``MoEBackend.fuses_norm``): unquantised experts of one rank, not under torch.compile."""
         return (self.config.moe_fuse_norm and self.quantization == "none" and not self.parallel.is_parallel
                 and not self.config.torch_compile)
+
+    @property
+    def moe_fuse_norm_max_tokens(self) -> int:
+        """Steps of at most this many tokens fold the next norm into the MoE combine (``moe_fuse_norm_max_tokens``;
+        every step with ``moe_fuse_norm``), under ``moe_fuse_norm``'s conditions."""
+        if self.config.torch_compile or self.quantization != "none" or self.parallel.is_parallel:
+            return 0
+        return self.max_step_tokens if self.config.moe_fuse_norm else self.config.moe_fuse_norm_max_tokens
 
     @property
     def moe_fused_shared_early(self) -> bool:
@@ -192,7 +200,8 @@ class RuntimePlan:
                 "fuse_shared_expert_max_tokens": fused or 0,
                 "fused_shared_early": self.moe_fused_shared_early,
                 "route_in_grid": self.moe_route_in_grid,
-                "fuse_norm": moe and self.moe_fuse_norm,
+                "fuse_norm": moe and self.moe_fuse_norm_max_tokens > 0,
+                "fuse_norm_max_tokens": self.moe_fuse_norm_max_tokens if moe else 0,
                 "router_fuse_norm": (bool(routing) and self.config.router_split_k_max_tokens > 0
                                      and self.router_fuse_norm),
                 "router_split_k_max_tokens": self.config.router_split_k_max_tokens if routing else 0,

@@ -47,12 +47,19 @@ class Attention(nn.Module):
             self.q_norm = empty_param((arch.head_dim,), dtype, device)
             self.k_norm = empty_param((arch.head_dim,), dtype, device)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, add_norm: tuple | None = None):
+        """The attention's output projection ``[T, H]``; with ``add_norm`` ``(residual, norm weight, eps)`` where the
+        output projection folds the residual add and the norm after it into its launch (``Linear.forward_add_norm``),
+        ``(the norm of the new residual, residual)`` instead."""
         t = x.shape[0]
         attn = self.ops.attention
         if attn.fuse_qkv:  # norms, rotary embedding and KV append in one kernel
             o = attn.forward_qkv(self.layer_idx, self.qkv_proj(x), positions, self.rope.cache,
                                  self.q_norm if self.qk_norm else None, self.k_norm if self.qk_norm else None, self.eps)
+            if add_norm is not None:
+                folded = self.o_proj.forward_add_norm(o.view(t, self.q_size), *add_norm)
+                if folded is not None:
+                    return folded
             return self.o_proj(o.view(t, self.q_size))
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
@@ -295,12 +302,12 @@ class SparseMoE(nn.Module):
         self.fused_max_tokens = max_tokens
         return pieces
 
-    def takes_norm(self) -> bool:
-        """Whether ``forward(x, add_norm)`` folds the residual add and the next norm into the combine
-        (``moe_fuse_norm``): a MoE backend that can (the Triton MoE, the torch reference), high-precision experts,
-        one rank."""
-        return (self.ops.moe_fuse_norm and self.ops.moe.fuses_norm and self.moe_parallel is None
-                and self.w13_scale_inv is None)
+    def takes_norm(self, tokens: int) -> bool:
+        """Whether ``forward(x, add_norm)`` of a step of ``tokens`` tokens folds the residual add and the next norm
+        into the combine (``moe_fuse_norm``, ``moe_fuse_norm_max_tokens``): a MoE backend that can (the Triton MoE,
+        the torch reference), high-precision experts, one rank."""
+        return (0 < tokens <= self.ops.moe_fuse_norm_max_tokens and self.ops.moe.fuses_norm
+                and self.moe_parallel is None and self.w13_scale_inv is None)
 
     def after_attention(self, h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         next_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -319,7 +326,7 @@ class SparseMoE(nn.Module):
                    partials: RouterPartials | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """:meth:`after_attention` from its post-attention norm ``h`` (``residual`` updated, ``partials`` the router's
         partial sums of ``h`` where they were computed with it)."""
-        if next_norm is not None and self.takes_norm():
+        if next_norm is not None and self.takes_norm(h.shape[0]):
             return self(h, AddNorm(residual, next_norm, eps), partials), residual, True
         return self(h, None, partials), residual, False
 
@@ -435,10 +442,17 @@ class DecoderLayer(nn.Module):
             h = norm.rmsnorm(hidden, self.input_layernorm, self.eps)
         else:
             h, residual = norm.add_rmsnorm(hidden, residual, self.input_layernorm, self.eps)
-        h = self.self_attn(positions, h)
-        if isinstance(self.mlp, SparseMoE):
-            return self.mlp.after_attention(h, residual, self.post_attention_layernorm, self.eps, next_norm)
-        h, residual = norm.add_rmsnorm(h, residual, self.post_attention_layernorm, self.eps)
+        moe = isinstance(self.mlp, SparseMoE)
+        # the post-attention add + norm, for the output projection to fold in where it can (not where the router does)
+        post = None if moe and self.mlp.takes_router_norm(h.shape[0]) else (
+            residual, self.post_attention_layernorm, self.eps)
+        out = self.self_attn(positions, h, post)
+        if isinstance(out, tuple):  # folded: the norm of the new residual
+            h, residual = out
+            return self.mlp.after_norm(h, residual, self.eps, next_norm) if moe else (self.mlp(h), residual, False)
+        if moe:
+            return self.mlp.after_attention(out, residual, self.post_attention_layernorm, self.eps, next_norm)
+        h, residual = norm.add_rmsnorm(out, residual, self.post_attention_layernorm, self.eps)
         return self.mlp(h), residual, False
 
     def _forward_one_kernel(self, positions, hidden, residual, next_norm):

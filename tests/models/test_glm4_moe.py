@@ -32,7 +32,7 @@ def test_greedy_tokens_and_logits_match_transformers(tmp_path, fuse_norm):
     runner = llm.engine.runner
     assert runner.arch.rotary_dim == 8
     assert [type(layer.mlp).__name__ for layer in runner.model.layers] == ["DenseMLP", "SparseMoE", "SparseMoE"]
-    assert [layer.mlp.takes_norm() for layer in runner.model.layers[1:]] == [fuse_norm] * 2
+    assert [layer.mlp.takes_norm(1) for layer in runner.model.layers[1:]] == [fuse_norm] * 2
     seqs, rows = run_recording_logits(llm, prompt_ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                                       ignore_eos=True))
     assert [s.output_token_ids for s in seqs] == expected

@@ -18,11 +18,12 @@ def prompts(vocab: int, seed: int = 1):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-@pytest.mark.parametrize("fuse_norm", [False, True], ids=["", "moe_fuse_norm"])
+@pytest.mark.parametrize("fuse_norm", [0, 1 << 20, 1], ids=["", "moe_fuse_norm", "moe_fuse_norm_max_tokens-1"])
 @pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe"])
 def test_greedy_tokens_and_logits_match_transformers(tmp_path, kind, fuse_norm):
     """``moe_fuse_norm``: every MoE block ends in its combine adding to the residual and applying the next
-    layer's input norm (the last one the final norm), the torch reference of the Triton kernel."""
+    layer's input norm (the last one the final norm), the torch reference of the Triton kernel;
+    ``moe_fuse_norm_max_tokens: 1``: only one-token steps do (the others run the norm as its own op)."""
     hf = make_checkpoint(kind, tmp_path)
     prompt_ids = prompts(hf.config.vocab_size)
     expected = [hf_greedy(hf, p, MAX_TOKENS) for p in prompt_ids]
@@ -30,9 +31,10 @@ def test_greedy_tokens_and_logits_match_transformers(tmp_path, kind, fuse_norm):
     # A small token budget forces chunked prefill and mixed steps; 24 usable pages of 4 tokens hold
     # fewer tokens (96) than four running requests need together, which forces preemption.
     llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", max_num_batched_tokens=16, page_size=4,
-              num_kv_pages=25, max_model_len=96, max_num_seqs=4, moe_fuse_norm=fuse_norm)
+              num_kv_pages=25, max_model_len=96, max_num_seqs=4, moe_fuse_norm=fuse_norm == 1 << 20,
+              moe_fuse_norm_max_tokens=fuse_norm if fuse_norm == 1 else 0)
     moe = [layer.mlp for layer in llm.engine.runner.model.layers if hasattr(layer.mlp, "takes_norm")]
-    assert moe and all(m.takes_norm() == fuse_norm for m in moe)
+    assert moe and all(m.takes_norm(1) == (fuse_norm > 0) and m.takes_norm(2) == (fuse_norm > 1) for m in moe)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     seqs, rows = run_recording_logits(llm, prompt_ids, params)
 

@@ -62,12 +62,36 @@ def moe_combine_add_norm_kernel(down_ptr, shared_ptr, gate_ptr, res_ptr, w_ptr, 
     t = tl.program_id(0).to(tl.int64)
     acc = _combined(down_ptr, shared_ptr, gate_ptr, t, cols, mask, stride_down, stride_shared, stride_gate, TOP_K,
                     HAS_SHARED, HAS_GATE, BLOCK)
+    _add_norm_store(acc, res_ptr + t * stride_res, w, out_ptr + t * stride_out, cols, mask, H, eps)
+
+
+@triton.jit
+def _add_norm_store(acc, res_ptr, w, out_ptr, cols, mask, H, eps):
+    """A row's MoE sum ``acc`` (float32) rounded as the unfused combine stores it, then FlashInfer's
+    ``fused_add_rmsnorm``: ``res += it`` (in place), ``out = rmsnorm(res) * w`` (``w`` float32, loaded)."""
     dtype = out_ptr.dtype.element_ty
-    # the MoE output rounded as the unfused combine stores it, then FlashInfer's fused_add_rmsnorm
-    x = acc.to(dtype).to(tl.float32) + tl.load(res_ptr + t * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(res_ptr + t * stride_res + cols, x.to(dtype), mask=mask)
+    x = acc.to(dtype).to(tl.float32) + tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(res_ptr + cols, x.to(dtype), mask=mask)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-    tl.store(out_ptr + t * stride_out + cols, (x * rstd * w).to(dtype), mask=mask)
+    tl.store(out_ptr + cols, (x * rstd * w).to(dtype), mask=mask)
+
+
+@triton.jit
+def combine_one_row(down_ptr, out_ptr, res_ptr, w_ptr, H, eps, stride_down, TOP_K: tl.constexpr,
+                    ADD_NORM: tl.constexpr, BLOCK: tl.constexpr):
+    """One token's combine by one program, as :func:`moe_combine_kernel` (no shared expert) or, with ``ADD_NORM``,
+    :func:`moe_combine_add_norm_kernel` computes it: the sum of ``down``'s ``TOP_K`` rows into ``out`` ``[H]``, or
+    that sum added to ``res`` (in place) and ``out`` the RMS norm of the result times ``w``. ``BLOCK``: ``H``
+    rounded up to a power of two (the whole row at once). The last program of the MoE's down GEMM runs it
+    (``triton_kernels.fused_moe_kernel``'s ``COMBINE``)."""
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    acc = _combined(down_ptr, down_ptr, down_ptr, 0, cols, mask, stride_down, 0, 0, TOP_K, False, False, BLOCK)
+    if ADD_NORM:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        _add_norm_store(acc, res_ptr, w, out_ptr, cols, mask, H, eps)
+    else:
+        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def moe_combine_triton(down: torch.Tensor, top_k: int, shared: torch.Tensor | None = None,

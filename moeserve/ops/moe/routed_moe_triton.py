@@ -33,16 +33,23 @@ from moeserve.ops.pdl import launch_kwargs
 from moeserve.ops.pdl_triton import let_next_start, wait_prior
 
 from .combine import moe_combine
+from .combine_triton import MAX_NORM_HIDDEN
 from .routing_triton import ROUTER_BLOCK_K, ROUTER_MAX_ROWS, ROUTER_SPLITS, _route_parts, unsupported
 from .triton_kernels import PAIRWISE_BLOCK_M, invoke_fused_moe_kernel, store_swiglu_tile, tile_dot
 
 SYNC_STRIDE = 32  # int32 words between the flags: one 128-byte line each
+SYNC_WORDS = 4 * SYNC_STRIDE  # the three flags of the grid, and the down GEMM's counter (DOWN_COMBINE)
 SPIN_LIMIT = 1 << 22  # reads of the ready flag before a routed tile ends the kernel (each an L2 round trip)
+# A/B switches of the down GEMM after the grid: its tiles load their first weight tile before they wait for the grid
+# (the ids are complete by the time it can start: the routed tiles let it be scheduled after they saw them ready)
+DOWN_PRELOAD = False
+# ... and its last program runs the combine (and the next norm, with add_norm) instead of a kernel of its own
+DOWN_COMBINE = False
 
 
 def new_sync(device: torch.device | str) -> torch.Tensor:
     """The flags :func:`fused_moe_routed` takes, at zero."""
-    return torch.zeros(3 * SYNC_STRIDE, dtype=torch.int32, device=device)
+    return torch.zeros(SYNC_WORDS, dtype=torch.int32, device=device)
 
 
 @triton.jit
@@ -144,7 +151,8 @@ def unsupported_reason(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tenso
 def fused_moe_routed(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, num_experts: int,
                      top_k: int, method: str, renormalize: bool, pieces: int, gated: bool, config: dict,
                      sync: torch.Tensor, out: torch.Tensor | None = None, add_norm=None,
-                     spin_limit: int = SPIN_LIMIT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     spin_limit: int = SPIN_LIMIT, preload: bool | None = None, combine: bool | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token's MoE with a fused shared expert, the routing inside the first expert GEMM's grid: ``(output
     [1, H], weights [1, k + P], ids [1, k + P], logits [1, rows])``, the routing as ``topk_route_partials`` of
     ``router_partials`` writes it, the output as ``triton_kernels.fused_moe`` computes it from that routing.
@@ -153,10 +161,15 @@ def fused_moe_routed(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor,
     shared expert's pieces; ``w2`` ``[E + P, H, I]``; ``router_w`` ``[rows, H]`` (the shared expert's gate in row
     ``E`` when ``gated``). ``sync``: :func:`new_sync`'s flags, at zero and left at zero (CUDA graphs replay against
     them; launches sharing them must not overlap). ``config``: the fused MoE's tile config. ``spin_limit``: the
-    routed tiles' reads of the ready flag before they end the kernel with an error."""
+    routed tiles' reads of the ready flag before they end the kernel with an error. ``preload``: the down GEMM's
+    tiles load their first weight tile before they wait for the grid (default :data:`DOWN_PRELOAD`). ``combine``:
+    the down GEMM's last program runs the combine (and ``add_norm``), counted on the fourth flag (default
+    :data:`DOWN_COMBINE`)."""
+    preload = DOWN_PRELOAD if preload is None else preload
+    combine = DOWN_COMBINE if combine is None else combine
     why = unsupported_reason(x, router_w, w13, num_experts, top_k, method, pieces, gated)
-    if why is None and (sync.dtype != torch.int32 or sync.numel() < 3 * SYNC_STRIDE):
-        why = f"flags of {sync.numel()} {sync.dtype} (new_sync's {3 * SYNC_STRIDE} int32)"
+    if why is None and (sync.dtype != torch.int32 or sync.numel() < SYNC_WORDS):
+        why = f"flags of {sync.numel()} {sync.dtype} (new_sync's {SYNC_WORDS} int32)"
     if why is not None:
         raise ValueError(f"fused_moe_routed: {why}")
     h = x.shape[1]
@@ -184,7 +197,13 @@ def fused_moe_routed(x: torch.Tensor, router_w: torch.Tensor, w13: torch.Tensor,
         num_warps=int(config.get("num_warps", 4)), num_stages=int(config.get("num_stages", 3)), **launch_kwargs(1))
     flat_w, flat_ids = weights.reshape(-1), ids.reshape(-1)
     down = torch.empty((width, h), dtype=x.dtype, device=dev)
-    invoke_fused_moe_kernel(act, w2, down, flat_w, flat_ids, flat_ids, flat_ids, 1, config, pairwise=True, tokens=1)
     if out is None:
         out = torch.empty((1, h), dtype=x.dtype, device=dev)
+    fuse = combine and h <= MAX_NORM_HIDDEN and out.stride(1) == 1 and (
+        add_norm is None or add_norm.residual.stride(1) == 1)
+    invoke_fused_moe_kernel(act, w2, down, flat_w, flat_ids, flat_ids, flat_ids, 1, config, pairwise=True, tokens=1,
+                            preload_b=preload,
+                            combine={"fin": sync[3 * SYNC_STRIDE:], "out": out, "add_norm": add_norm} if fuse else None)
+    if fuse:
+        return out, weights, ids, logits
     return moe_combine(down, width, None, out, add_norm), weights, ids, logits

@@ -19,6 +19,7 @@ from moeserve.ops.pdl import launch_kwargs
 from moeserve.ops.pdl_triton import let_next_start, wait_prior
 
 from .combine import SharedExpertOutput, moe_combine
+from .combine_triton import combine_one_row
 from .triton_configs import get_config
 
 __all__ = ["moe_align_block_size", "fused_moe", "fused_moe_warmup", "invoke_fused_moe_kernel", "interleave_gate_up"]
@@ -291,6 +292,14 @@ def tile_dot(a_ptrs, b_ptrs, token_mask, offs_k, K, stride_ak, stride_bk, BLOCK_
     """The main loop of an expert GEMM tile: ``A[rows, :K] @ B[expert, :K, cols]`` in float32, ``A``'s rows
     masked by ``token_mask``, ``A`` read with the cache modifier ``A_CACHE`` (``""``: the default)."""
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    return tile_dot_from(acc, a_ptrs, b_ptrs, token_mask, offs_k, K, stride_ak, stride_bk, BLOCK_SIZE_K, EVEN_K,
+                         IEEE_FP32, A_CACHE)
+
+
+@triton.jit
+def tile_dot_from(acc, a_ptrs, b_ptrs, token_mask, offs_k, K, stride_ak, stride_bk, BLOCK_SIZE_K: tl.constexpr,
+                  EVEN_K: tl.constexpr, IEEE_FP32: tl.constexpr, A_CACHE: tl.constexpr):
+    """:func:`tile_dot` accumulating onto ``acc``."""
     for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
         if EVEN_K:
             a_mask = token_mask[:, None]
@@ -330,7 +339,9 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
                      GROUP_SIZE_M: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
                      IEEE_FP32: tl.constexpr, PAIRWISE: tl.constexpr = False, SILU_MUL: tl.constexpr = False,
                      PDL: tl.constexpr = False, ROUTE_K: tl.constexpr = 0, ROUTE_K_PAD: tl.constexpr = 1,
-                     EARLY: tl.constexpr = 0, EARLY_EXPERT: tl.constexpr = 0):
+                     EARLY: tl.constexpr = 0, EARLY_EXPERT: tl.constexpr = 0, PRELOAD_B: tl.constexpr = False,
+                     COMBINE: tl.constexpr = 0, ADD_NORM: tl.constexpr = False, BLOCK_H: tl.constexpr = 1,
+                     fin_ptr=None, out_ptr=None, res_ptr=None, nw_ptr=None, eps=0.0):
     """Grouped GEMM ``C[s, :] = A[s // top_k, :] @ B[expert(s)]^T`` over expert-sorted rows ``s``.
 
     ``A`` is ``[*, K]``, ``B`` is ``[E, N, K]``, ``C`` is ``[num_valid_tokens, N]``. Rows come from
@@ -348,9 +359,17 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
     and, under PDL, run their main loop before waiting for the kernel before (the routing): they read only ``A``
     and their weights until then, and ``A`` is complete whenever this kernel can start (see :func:`fused_moe`).
     Their stores still wait.
+    ``PRELOAD_B`` (``PAIRWISE`` without ``ROUTE_K`` or ``EARLY``): each tile reads its pair's expert (from L2) and its
+    first weight tile before it waits for the kernel before, ``A`` after: the ids must be complete whenever this
+    kernel can start (``routed_moe_triton``: its routed tiles let this kernel be scheduled only once they have seen
+    the routing done).
+    ``COMBINE`` (one token, ``PAIRWISE``, ``C`` ``[COMBINE, N]``): the last program to finish sums ``C``'s rows into
+    ``out`` ``[N]`` as the combine kernel would (``combine_triton.combine_one_row``; with ``ADD_NORM`` also adds them
+    to ``res`` and writes the RMS norm of the result times ``nw``), counted on the int32 ``fin`` (at zero, left at
+    zero); ``BLOCK_H``: ``N`` rounded up to a power of two.
     """
     pid_m, pid_n = program_tile(EM, N, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
-    if EARLY == 0:
+    if EARLY == 0 and not PRELOAD_B:
         wait_prior(PDL, LET_NEXT=False)
     if EARLY > 0:  # tiles 0 .. EARLY - 1: the fixed pairs (the last EARLY); then the routed pairs in order
         early = pid_m < EARLY
@@ -367,6 +386,10 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
         if owner != pid_m:
             return
         token_mask = offs_token < num_valid_tokens
+    elif PRELOAD_B:  # one pair per tile, its expert read before the wait (from L2: see the docstring)
+        offs_token = tl.where(tl.arange(0, BLOCK_SIZE_M) == 0, pid_m, num_valid_tokens).to(tl.int64)
+        token_mask = offs_token < num_valid_tokens
+        off_expert = tl.load(expert_ids_ptr + pid_m, cache_modifier=".cg").to(tl.int64)
     else:
         if not PAIRWISE:
             if pid_m * BLOCK_SIZE_M >= tl.load(num_tokens_post_padded_ptr):
@@ -381,8 +404,26 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
 
     # with EARLY, A is read before any wait: from L2 (.cg), where the kernel that wrote it left it
     A_CACHE: tl.constexpr = ".cg" if EARLY > 0 else ""
-    acc = tile_dot(a_ptrs, b_ptrs, token_mask, offs_k, K, stride_ak, stride_bk, BLOCK_SIZE_M, BLOCK_SIZE_N,
-                   BLOCK_SIZE_K, EVEN_K, IEEE_FP32, A_CACHE)
+    if PRELOAD_B:  # the first K tile: its weights before the wait, A after it; tile_dot_from takes the rest
+        if EVEN_K:
+            b = tl.load(b_ptrs)
+        else:
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < K, other=0.0)
+        wait_prior(PDL, LET_NEXT=False)
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=token_mask[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=token_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+        acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+        if IEEE_FP32:
+            acc = tl.dot(a, b, acc=acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc=acc)
+        acc = tile_dot_from(acc, a_ptrs + BLOCK_SIZE_K * stride_ak, b_ptrs + BLOCK_SIZE_K * stride_bk, token_mask,
+                            offs_k, K - BLOCK_SIZE_K, stride_ak, stride_bk, BLOCK_SIZE_K, EVEN_K, IEEE_FP32, A_CACHE)
+    else:
+        acc = tile_dot(a_ptrs, b_ptrs, token_mask, offs_k, K, stride_ak, stride_bk, BLOCK_SIZE_M, BLOCK_SIZE_N,
+                       BLOCK_SIZE_K, EVEN_K, IEEE_FP32, A_CACHE)
     if EARLY > 0:
         if early:
             wait_prior(PDL, LET_NEXT=False)
@@ -394,6 +435,12 @@ def fused_moe_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr
     else:
         store_tile(acc, c_ptr, topk_weights_ptr, offs_token, token_mask, pid_n, N, stride_cm, stride_cn, BLOCK_SIZE_N,
                    MUL_ROUTED_WEIGHT)
+    if COMBINE > 0:  # the last program to finish sums the rows (every program's stores are done before it counts)
+        tl.debug_barrier()
+        done = tl.atomic_add(fin_ptr, 1, sem="acq_rel")
+        if done == tl.num_programs(0) - 1:
+            tl.atomic_xchg(fin_ptr, 0)
+            combine_one_row(c_ptr, out_ptr, res_ptr, nw_ptr, N, eps, stride_cm, COMBINE, ADD_NORM, BLOCK_H)
 
 
 @triton.jit
@@ -424,7 +471,8 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t
                             sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
                             num_tokens_post_padded: torch.Tensor, top_k: int, config: dict,
                             max_padded_rows: int | None = None, warmup: bool = False, pairwise: bool = False,
-                            silu_mul: bool = False, tokens: int | None = None, route_k: int = 0, early: int = 0):
+                            silu_mul: bool = False, tokens: int | None = None, route_k: int = 0, early: int = 0,
+                            preload_b: bool = False, combine: dict | None = None):
     """Launch (or, with ``warmup``, only compile) :func:`fused_moe_kernel` for ``c = a[rows // top_k] @ b[e]^T``.
 
     ``c`` is ``[rows, N]`` with ``rows = len(topk_ids.flatten())``; ``topk_weights`` (flat fp32, ``[rows]``)
@@ -437,7 +485,10 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t
     the step's token count (default ``rows / top_k``), which decides whether it launches with PDL
     (``moeserve.ops.pdl``). ``early`` (``pairwise``, one token, no ``route_k``): the last ``early`` pairs are the
     last ``early`` experts of ``b``, whose tiles run first and start before the kernel before this one ends
-    (``fused_moe_kernel``'s ``EARLY``).
+    (``fused_moe_kernel``'s ``EARLY``). ``preload_b`` (``pairwise``, no ``route_k`` or ``early``): each tile loads its
+    first weight tile before it waits for the kernel before (``PRELOAD_B``: the ids must be complete whenever this
+    kernel can start). ``combine`` (one token, ``pairwise``): ``{"fin": int32 counter at zero, "out": [1, N],
+    "add_norm": AddNorm or None}``, the kernel's last program sums ``c``'s rows into ``out`` (``COMBINE``).
     """
     num_valid, n = c.shape
     k = b.shape[2]
@@ -459,6 +510,17 @@ def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t
             raise ValueError(f"early={early}: one token's pairs only ({num_valid} rows, top-{top_k}, "
                              f"pairwise={pairwise}, route_k={route_k})")
         route.update(EARLY=early, EARLY_EXPERT=b.shape[0] - early)
+    if preload_b:
+        if not pairwise or route_k or early:
+            raise ValueError("preload_b: pairwise tiles without route_k or early only")
+        route["PRELOAD_B"] = True
+    if combine is not None:
+        if not pairwise or route_k or c.stride(1) != 1 or num_valid > 64:
+            raise ValueError("combine: one token's pairwise tiles with contiguous rows only")
+        an = combine.get("add_norm")
+        route.update(COMBINE=num_valid, ADD_NORM=an is not None, BLOCK_H=triton.next_power_of_2(n),
+                     fin_ptr=combine["fin"], out_ptr=combine["out"], res_ptr=an.residual if an else combine["out"],
+                     nw_ptr=an.weight if an else combine["out"], eps=float(an.eps) if an else 0.0)
     mul_w = topk_weights is not None
     args = (a, b, c, topk_weights if mul_w else c, sorted_token_ids, expert_ids, num_tokens_post_padded, n, k,
             em, num_valid, top_k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
