@@ -285,6 +285,10 @@ class EngineConfig(_Strict):
     moe_fuse_norm_max_tokens: int = Field(
         0, ge=0, description="moe_fuse_norm for steps of at most this many tokens only (the fused combine is one "
         "program per token: slower than the plain combine and the norm at 2 to 32 tokens on an H200); 0 none")
+    moe_fuse_norm_in_grid: bool = Field(
+        True, description="one-token steps whose routing runs in the fused MoE's grid (moe_route_in_grid) fold the "
+        "residual add and the next norm into the MoE's combine, which the down GEMM's last program runs (with its "
+        "weights loaded before it waits: +0.8% at c=1 on an H200)")
     linear_gemv_max_tokens: int = Field(
         1, ge=0, le=16, description="with backends.linear: triton, steps of at most this many tokens run moeserve's "
         "Triton GEMV instead of cuBLAS (on an H200 it was faster at one token, slower at two); 0 always runs cuBLAS")

@@ -119,6 +119,13 @@ class RuntimePlan:
         return self.max_step_tokens if self.config.moe_fuse_norm else self.config.moe_fuse_norm_max_tokens
 
     @property
+    def moe_fuse_norm_in_grid(self) -> bool:
+        """Whether one-token steps that route in the fused MoE's grid fold the next norm into its combine
+        (``moe_fuse_norm_in_grid``)."""
+        return (self.config.moe_fuse_norm_in_grid and self.moe_route_in_grid and self.quantization == "none"
+                and not self.parallel.is_parallel and not self.config.torch_compile)
+
+    @property
     def moe_fused_shared_early(self) -> bool:
         """Whether one-token steps start the fused shared expert's tiles of the Triton MoE while the routing runs
         (``moe_fused_shared_early``; with the shared expert fused into the Triton MoE for one-token steps)."""
@@ -200,8 +207,9 @@ class RuntimePlan:
                 "fuse_shared_expert_max_tokens": fused or 0,
                 "fused_shared_early": self.moe_fused_shared_early,
                 "route_in_grid": self.moe_route_in_grid,
-                "fuse_norm": moe and self.moe_fuse_norm_max_tokens > 0,
+                "fuse_norm": moe and (self.moe_fuse_norm_max_tokens > 0 or self.moe_fuse_norm_in_grid),
                 "fuse_norm_max_tokens": self.moe_fuse_norm_max_tokens if moe else 0,
+                "fuse_norm_in_grid": moe and self.moe_fuse_norm_in_grid,
                 "router_fuse_norm": (bool(routing) and self.config.router_split_k_max_tokens > 0
                                      and self.router_fuse_norm),
                 "router_split_k_max_tokens": self.config.router_split_k_max_tokens if routing else 0,

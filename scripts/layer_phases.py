@@ -31,8 +31,10 @@ def layer_phases(ks: list) -> tuple[dict, dict]:
     # (its phase is then 0, from the combine before; the first layer, with no residual yet, keeps its norm)
     gemvs = ("_gemv_kernel", "_gemv_row_kernel", "_add_norm_gemv_kernel")
     qkv = [i for i, k in enumerate(ks[:-1]) if k[0] in gemvs and ks[i + 1][0].startswith("qkv_decode")]
-    folded = lambda i: ks[i][0] == "_add_norm_gemv_kernel"  # noqa: E731
-    # a layer starts where its norm starts, or where the combine before its QKV GEMV ends when that holds the norm
+    # the input norm folded into the kernel before the QKV GEMV: the combine (moe_fuse_norm), the down GEMM that runs
+    # the combine (moe_fuse_norm_in_grid), or into the GEMV itself (a branch's _add_norm_gemv_kernel)
+    folded = lambda i: ks[i][0] == "_add_norm_gemv_kernel" or "rmsnorm" not in ks[i - 1][0].lower()  # noqa: E731
+    # a layer starts where its norm starts, or where the kernel before its QKV GEMV ends when that holds the norm
     start_of = lambda i: end(ks[i - 1]) if folded(i) else ks[i - 1][2]  # noqa: E731
     phases, moe = defaultdict(list), defaultdict(list)
     for i, nxt in zip(qkv, qkv[1:]):
@@ -45,7 +47,9 @@ def layer_phases(ks: list) -> tuple[dict, dict]:
                   o)  # none with router_fuse_norm in the routed grid (a branch's): its phase is then 0
         topk = next((k for k in seg if k[0].startswith(("_topk_route", "_router_topk"))),  # (the latter: a branch's)
                     n2)  # none with moe_route_in_grid: the routing runs in the MoE's first grid, its phase is 0
-        comb = next(k for k in seg[1:] if k[0] == "moe_combine_kernel")
+        # the combine, or the down GEMM whose last program runs it (moe_fuse_norm_in_grid)
+        comb = next((k for k in seg[1:] if k[0] == "moe_combine_kernel"), None) or [
+            k for k in seg[1:] if k[0] == "fused_moe_kernel"][-1]
         t = [start_of(i), end(seg[0]), end(seg[1]), end(attn), end(o), end(n2), end(topk), end(comb)]
         for name, a, b in zip(PHASES, t, t[1:]):
             phases[name].append(b - a)

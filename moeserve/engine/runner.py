@@ -174,7 +174,8 @@ class ModelRunner:
                    rope_cls=cls("rope"), names=self.backend_names, quantization=self.quantization,
                    side_stream=torch.cuda.Stream(dev) if side else None,
                    side_stream_max_tokens=self.cfg.shared_expert_stream_max_tokens, parallel=self.parallel,
-                   moe_fuse_norm_max_tokens=plan.moe_fuse_norm_max_tokens, router_fuse_norm=plan.router_fuse_norm,
+                   moe_fuse_norm_max_tokens=plan.moe_fuse_norm_max_tokens,
+                   moe_fuse_norm_in_grid=plan.moe_fuse_norm_in_grid, router_fuse_norm=plan.router_fuse_norm,
                    moe_fused_shared_early=plan.moe_fused_shared_early, moe_route_in_grid=plan.moe_route_in_grid)
 
     def _load_model(self) -> tuple[MoECausalLM, str, list[str]]:

@@ -32,8 +32,10 @@ class Ops:
     side_stream: torch.cuda.Stream | None = None
     side_stream_max_tokens: int = 0
     # The MoE combine adds the block's output to the residual and applies the next norm (``moe_fuse_norm``) in steps
-    # of at most this many tokens, where the MoE backend can (``MoEBackend.fuses_norm``); 0 none.
+    # of at most this many tokens, where the MoE backend can (``MoEBackend.fuses_norm``); 0 none ...
     moe_fuse_norm_max_tokens: int = 0
+    # ... and in one-token steps that route in the fused MoE's grid (``moe_fuse_norm_in_grid``)
+    moe_fuse_norm_in_grid: bool = False
     # Small steps fold the post-attention residual add and norm into the router's split-K partial sums
     # (``router_fuse_norm``) where the router can.
     router_fuse_norm: bool = False
@@ -96,15 +98,6 @@ class Linear(nn.Module):
         else:
             y = self.ops.linear.linear(x, self.weight, bias)
         return y if self.reduce is None else self.reduce.all_reduce(y)
-
-    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(rmsnorm(residual + forward(x)) * norm_weight, residual)`` (``residual`` updated in place) where the
-        linear backend folds the residual add and norm into this linear's launch (``LinearBackend.linear_add_norm``:
-        one rank, high precision, no bias); None otherwise."""
-        if self.reduce is not None or self.weight_scale_inv is not None or self.bias is not None:
-            return None
-        return self.ops.linear.linear_add_norm(x, self.weight, residual, norm_weight, eps)
 
 
 def keep_in_high_precision(model: nn.Module, keep, dtype, device) -> list[str]:

@@ -47,19 +47,12 @@ class Attention(nn.Module):
             self.q_norm = empty_param((arch.head_dim,), dtype, device)
             self.k_norm = empty_param((arch.head_dim,), dtype, device)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, add_norm: tuple | None = None):
-        """The attention's output projection ``[T, H]``; with ``add_norm`` ``(residual, norm weight, eps)`` where the
-        output projection folds the residual add and the norm after it into its launch (``Linear.forward_add_norm``),
-        ``(the norm of the new residual, residual)`` instead."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         attn = self.ops.attention
         if attn.fuse_qkv:  # norms, rotary embedding and KV append in one kernel
             o = attn.forward_qkv(self.layer_idx, self.qkv_proj(x), positions, self.rope.cache,
                                  self.q_norm if self.qk_norm else None, self.k_norm if self.qk_norm else None, self.eps)
-            if add_norm is not None:
-                folded = self.o_proj.forward_add_norm(o.view(t, self.q_size), *add_norm)
-                if folded is not None:
-                    return folded
             return self.o_proj(o.view(t, self.q_size))
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
@@ -302,12 +295,19 @@ class SparseMoE(nn.Module):
         self.fused_max_tokens = max_tokens
         return pieces
 
-    def takes_norm(self, tokens: int) -> bool:
+    def takes_norm(self, tokens: int, in_grid: bool = False) -> bool:
         """Whether ``forward(x, add_norm)`` of a step of ``tokens`` tokens folds the residual add and the next norm
-        into the combine (``moe_fuse_norm``, ``moe_fuse_norm_max_tokens``): a MoE backend that can (the Triton MoE,
-        the torch reference), high-precision experts, one rank."""
-        return (0 < tokens <= self.ops.moe_fuse_norm_max_tokens and self.ops.moe.fuses_norm
-                and self.moe_parallel is None and self.w13_scale_inv is None)
+        into the combine (``moe_fuse_norm``, ``moe_fuse_norm_max_tokens``; ``in_grid``: the step routes in the fused
+        MoE's grid, ``moe_fuse_norm_in_grid``): a MoE backend that can (the Triton MoE, the torch reference),
+        high-precision experts, one rank."""
+        return ((0 < tokens <= self.ops.moe_fuse_norm_max_tokens or (in_grid and self.ops.moe_fuse_norm_in_grid))
+                and self.ops.moe.fuses_norm and self.moe_parallel is None and self.w13_scale_inv is None)
+
+    def routes_in_grid(self, x: torch.Tensor, partials: RouterPartials | None = None) -> bool:
+        """Whether :meth:`forward` of ``x`` routes inside the fused MoE's first grid (``moe_route_in_grid``, where the
+        MoE backend takes the step: ``MoEBackend.takes_routing``)."""
+        return (partials is None and self.ops.moe_route_in_grid and self.moe_parallel is None
+                and not self.router_fp32 and self.router_gemm_split(x.shape[0]) and self.ops.moe.takes_routing(x, self))
 
     def after_attention(self, h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         next_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -326,7 +326,7 @@ class SparseMoE(nn.Module):
                    partials: RouterPartials | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """:meth:`after_attention` from its post-attention norm ``h`` (``residual`` updated, ``partials`` the router's
         partial sums of ``h`` where they were computed with it)."""
-        if next_norm is not None and self.takes_norm(h.shape[0]):
+        if next_norm is not None and self.takes_norm(h.shape[0], self.routes_in_grid(h, partials)):
             return self(h, AddNorm(residual, next_norm, eps), partials), residual, True
         return self(h, None, partials), residual, False
 
@@ -334,9 +334,7 @@ class SparseMoE(nn.Module):
                 partials: RouterPartials | None = None) -> torch.Tensor:
         """The block's output for the tokens ``x``; with ``add_norm`` (only where ``takes_norm``), the norm of
         the residual it was added to. ``partials``: the router's partial sums for ``x`` (``router_fuse_norm``)."""
-        if (partials is None and self.ops.moe_route_in_grid and self.moe_parallel is None
-                and not self.router_fp32 and self.router_gemm_split(x.shape[0])
-                and self.ops.moe.takes_routing(x, self)):
+        if self.routes_in_grid(x, partials):
             return self.ops.moe.experts_routed(x, self, add_norm=add_norm)  # routing inside the experts' grid
         shared = None
         stream = self.ops.side_stream
@@ -442,17 +440,10 @@ class DecoderLayer(nn.Module):
             h = norm.rmsnorm(hidden, self.input_layernorm, self.eps)
         else:
             h, residual = norm.add_rmsnorm(hidden, residual, self.input_layernorm, self.eps)
-        moe = isinstance(self.mlp, SparseMoE)
-        # the post-attention add + norm, for the output projection to fold in where it can (not where the router does)
-        post = None if moe and self.mlp.takes_router_norm(h.shape[0]) else (
-            residual, self.post_attention_layernorm, self.eps)
-        out = self.self_attn(positions, h, post)
-        if isinstance(out, tuple):  # folded: the norm of the new residual
-            h, residual = out
-            return self.mlp.after_norm(h, residual, self.eps, next_norm) if moe else (self.mlp(h), residual, False)
-        if moe:
-            return self.mlp.after_attention(out, residual, self.post_attention_layernorm, self.eps, next_norm)
-        h, residual = norm.add_rmsnorm(out, residual, self.post_attention_layernorm, self.eps)
+        h = self.self_attn(positions, h)
+        if isinstance(self.mlp, SparseMoE):
+            return self.mlp.after_attention(h, residual, self.post_attention_layernorm, self.eps, next_norm)
+        h, residual = norm.add_rmsnorm(h, residual, self.post_attention_layernorm, self.eps)
         return self.mlp(h), residual, False
 
     def _forward_one_kernel(self, positions, hidden, residual, next_norm):

@@ -131,13 +131,6 @@ class LinearBackend(ABC):
         None)`` otherwise."""
         return self.linear(x, weight), None
 
-    def linear_add_norm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(rmsnorm(residual + y) * norm_weight, residual + y)`` of ``y = linear(x, weight)`` (no bias), ``residual``
-        updated in place, where the backend folds the residual add and norm into the linear's launch; None
-        otherwise (the caller then runs them itself)."""
-        return None
-
 
 class SamplingBackend(ABC):
     """Picks one token per row of float32 logits ``[B, V]`` (``moeserve.ops.sampling.SamplingBatch``).

@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 from moeserve.ops.eager import eager
-from moeserve.ops.norm_triton import MAX_HIDDEN, add_rmsnorm_row
 from moeserve.ops.interfaces import LinearBackend
 from moeserve.ops.pdl import launch_kwargs
 from moeserve.ops.pdl_triton import wait_prior
@@ -40,9 +39,6 @@ ROW_PRELOAD = True  # the one-row tiles load their first weight tile before the 
 # the LM head's GEMV finds the greedy tokens in its epilogue (linear_argmax; False: torch's argmax after the graph,
 # an A/B switch)
 FUSED_ARGMAX = True
-# A/B switch: a one-row step's output projection (the one-row GEMV) folds the post-attention residual add and norm
-# into its last program (linear_add_norm) instead of the norm's own launch after it
-ROW_ADD_NORM = False
 # A/B switch: gemv_config's tiles (the QKV projection's) load their first weight tile before the PDL wait
 GEMV_PRELOAD = False
 
@@ -152,16 +148,12 @@ def _greedy_tokens_kernel(best_ptr, tokens_ptr, M, BLOCK_M: tl.constexpr, PDL: t
 @triton.jit
 def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-                     ADD_NORM: tl.constexpr = False, BLOCK_H: tl.constexpr = 1, cnt_ptr=None, res_ptr=None,
-                     nw_ptr=None, eps=0.0):
+                     PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False):
     """``y[n] = sum_k x[k] * w[n, k] (+ b[n])`` for one row of ``x``: the weight tile goes from global memory
     straight to registers and is multiplied elementwise, float32 partial sums per column reduced once at the
     end (no shared memory and no 16-row padding, as :func:`_gemv_kernel`'s ``tl.dot`` needs). ``PRELOAD``: the
     first weight tile is loaded before the PDL wait (with the built-in tiles of the output projection, the whole
-    K), ``x`` after it. ``ADD_NORM``: the last program to finish (counted on the int32 ``cnt``, at zero and left at
-    zero) adds ``y`` to ``res`` and writes the RMS norm of the result times ``nw`` over ``y``, in place, as
-    ``norm_triton``'s kernel would after it (``BLOCK_H``: ``N`` rounded up to a power of two)."""
+    K), ``x`` after it."""
     if not PRELOAD:
         wait_prior(PDL)
     pid = tl.program_id(0)
@@ -186,15 +178,6 @@ def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
     if HAS_BIAS:
         y += tl.load(b_ptr + rows_n).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
-    if ADD_NORM:  # the last program to finish: every program's y is stored before it counts
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-        if done == tl.num_programs(0) - 1:
-            tl.atomic_xchg(cnt_ptr, 0)
-            cols = tl.arange(0, BLOCK_H)
-            mask = cols < N
-            add_rmsnorm_row(y_ptr, res_ptr, tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32), cols, mask,
-                            N, eps)
 
 
 def gemv_config(n: int, k: int) -> dict:
@@ -281,27 +264,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return y.reshape(*lead, n)
 
 
-def gemv_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                  eps: float, counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row: ``y = x @ weight^T`` on :func:`gemv_row_config`'s tiles, then, in the GEMV's last program,
-    ``residual += y`` and ``y = rmsnorm(residual) * norm_weight`` in place (``norm_triton.add_rmsnorm``'s arithmetic);
-    returns ``(y, residual)``. ``counter``: int32, at zero (left at zero)."""
-    k = x.shape[-1]
-    n = weight.shape[0]
-    c = gemv_row_config(n, k)
-    if x.numel() != k or c is None or n > MAX_HIDDEN or residual.shape[-1] != n or residual.stride(-1) != 1:
-        raise ValueError(f"gemv_add_norm: one row of a weight of at most 4,096 rows, got x {tuple(x.shape)}, weight "
-                         f"{tuple(weight.shape)}, residual {tuple(residual.shape)}")
-    x2 = x.reshape(1, k).contiguous()
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _gemv_row_kernel[(triton.cdiv(n, c["BLOCK_N"]),)](
-        x2, weight, weight, y, n, k, weight.stride(0), HAS_BIAS=False, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-        EVEN_K=k % c["BLOCK_K"] == 0, num_warps=c["num_warps"], num_stages=c["num_stages"], **_preload(c),
-        ADD_NORM=True, BLOCK_H=triton.next_power_of_2(n), cnt_ptr=counter, res_ptr=residual, nw_ptr=norm_weight,
-        eps=float(eps), **launch_kwargs(1))
-    return y.reshape(residual.shape), residual
-
-
 def gemv_argmax(x: torch.Tensor, weight: torch.Tensor, best: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, tokens)``: ``y = x @ weight^T`` as :func:`gemv` computes it (:func:`_gemv_kernel` with
     :func:`gemv_config`'s tiles) and ``tokens = y.argmax(-1)`` (int64, the first of equal values, as torch's), found
@@ -338,7 +300,6 @@ class TritonLinear(LinearBackend):
         self.max_tokens = min(max_tokens, GEMV_MAX_ROWS)
         # gemv_argmax's slots, each empty between launches
         self.argmax_slots = torch.full((GEMV_MAX_ROWS,), BEST_EMPTY, dtype=torch.int64, device=device)
-        self.norm_counter = torch.zeros(32, dtype=torch.int32, device=device)  # gemv_add_norm's, at zero between
 
     def takes_shape(self, rows: int, n: int, dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
         """Whether a step of ``rows`` rows times an ``[n, *]`` weight runs the GEMV (also what ``moeserve
@@ -369,24 +330,6 @@ class TritonLinear(LinearBackend):
         if FUSED_ARGMAX and self.takes(x, weight) and gemv_row_config(*weight.shape) is None:
             return self._gemv_argmax(x, weight)
         return super().linear_argmax(x, weight)
-
-    def takes_add_norm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> bool:
-        """Whether :meth:`linear_add_norm` folds the norm in: with :data:`ROW_ADD_NORM`, a one-row step the GEMV
-        takes on its one-row tiles (a weight of at most 4,096 rows: the output projection), a residual row of
-        contiguous elements."""
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        return (ROW_ADD_NORM and rows == 1 and self.takes(x, weight) and gemv_row_config(*weight.shape) is not None
-                and weight.shape[0] <= MAX_HIDDEN and residual.numel() == weight.shape[0]
-                and residual.stride(-1) == 1 and residual.dtype == x.dtype)
-
-    @eager
-    def _gemv_add_norm(self, x, weight, residual, norm_weight, eps):
-        return gemv_add_norm(x, weight, residual, norm_weight, eps, self.norm_counter)
-
-    def linear_add_norm(self, x, weight, residual, norm_weight, eps):
-        if self.takes_add_norm(x, weight, residual):
-            return self._gemv_add_norm(x, weight, residual, norm_weight, eps)
-        return None
 
     def linear_fp8(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:

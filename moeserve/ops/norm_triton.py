@@ -26,18 +26,11 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, H, eps, stride_x, stride_res, BLO
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     wait_prior(PDL)
     t = tl.program_id(0).to(tl.int64)
-    add_rmsnorm_row(x_ptr + t * stride_x, res_ptr + t * stride_res, w, cols, mask, H, eps)
-
-
-@triton.jit
-def add_rmsnorm_row(x_ptr, res_ptr, w, cols, mask, H, eps):
-    """One row of :func:`_add_rmsnorm_kernel` in place (``w`` the norm weight, float32, loaded); also the last
-    program of the output projection's GEMV where it folds the norm in (``linear_triton``'s ``ADD_NORM``)."""
-    x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    x += tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(res_ptr + cols, x.to(res_ptr.dtype.element_ty), mask=mask)
+    x = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x += tl.load(res_ptr + t * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(res_ptr + t * stride_res + cols, x.to(res_ptr.dtype.element_ty), mask=mask)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-    tl.store(x_ptr + cols, (x * rstd * w).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(x_ptr + t * stride_x + cols, (x * rstd * w).to(x_ptr.dtype.element_ty), mask=mask)
 
 
 def takes(x: torch.Tensor, residual: torch.Tensor) -> bool:

@@ -247,6 +247,7 @@ def meta_moe_layer(plan, device: torch.device | None = None):
         moe.pairwise_max_tokens = fp["moe_pairwise_max_tokens"]
     ops = _meta_ops(plan, moe, _rank_without_group(plan.parallel), meta)
     ops.moe_fuse_norm_max_tokens = fp.get("fuse_norm_max_tokens", 0) if fp["fuse_norm"] else 0
+    ops.moe_fuse_norm_in_grid = fp.get("fuse_norm_in_grid", False)
     ops.router_fuse_norm = fp["router_fuse_norm"]
     ops.moe_fused_shared_early = fp.get("fused_shared_early", False)
     ops.moe_route_in_grid = fp.get("route_in_grid", False)

@@ -411,38 +411,36 @@ def test_one_kernel_attention_half_follows_the_kernel_by_kernel_engine(tmp_path,
 
 
 def test_one_token_seams_follow_an_engine_without_them(tmp_path, monkeypatch):
-    """One-token steps on the default fast path (the routing in the fused MoE's grid, the Triton GEMV) with every
-    fold of this kind on: the output projection adding the residual and applying the post-attention norm in its
-    last program (``linear_triton.ROW_ADD_NORM``), the QKV GEMV's preload (``GEMV_PRELOAD``), the down GEMM's
-    preload and its last program running the combine and the next norm (``routed_moe_triton.DOWN_PRELOAD``,
-    ``DOWN_COMBINE``, ``moe_fuse_norm_max_tokens: 1``). Against an engine none of them applies to (cuBLAS linears,
-    the routing as its own kernels, no folded norm), through chunked prefill and CUDA-graph decode: the fast path's
-    tolerance (worst cosine > 0.999, at least 95% of the greedy tokens the same), each fold seen at work."""
+    """One-token steps on the default fast path (the routing in the fused MoE's grid, the Triton GEMV) with the
+    folds of this kind on: the down GEMM's preload and its last program running the combine and the next norm
+    (``routed_moe_triton.DOWN_PRELOAD``, ``DOWN_COMBINE``, ``moe_fuse_norm_in_grid``, the defaults) and the
+    QKV GEMV's preload (``linear_triton.GEMV_PRELOAD``, off by default). Against an engine none of them applies to
+    (cuBLAS linears, the routing as its own kernels, no folded norm), through chunked prefill and CUDA-graph decode:
+    the fast path's tolerance (worst cosine > 0.999, at least 95% of the greedy tokens the same), the down GEMM's
+    folds seen at work."""
     from moeserve.ops import linear_triton
     from moeserve.ops.moe import routed_moe_triton
     make_checkpoint("qwen2_moe", tmp_path, seed=41, **GPU_QWEN2)
-    for name in ("ROW_ADD_NORM", "GEMV_PRELOAD"):
-        monkeypatch.setattr(linear_triton, name, True)
+    monkeypatch.setattr(linear_triton, "GEMV_PRELOAD", True)
     for name in ("DOWN_PRELOAD", "DOWN_COMBINE"):
         monkeypatch.setattr(routed_moe_triton, name, True)
-    seen = {"add_norm": 0, "combine": 0}
-    gemv_add_norm, invoke = linear_triton.gemv_add_norm, routed_moe_triton.invoke_fused_moe_kernel
-
-    def count_add_norm(*a, **kw):
-        seen["add_norm"] += 1
-        return gemv_add_norm(*a, **kw)
+    seen = {"combine": 0, "norm": 0}
+    invoke = routed_moe_triton.invoke_fused_moe_kernel
 
     def count_combine(*a, **kw):
-        seen["combine"] += kw.get("combine") is not None and kw.get("preload_b", False)
+        folded = kw.get("combine") is not None and kw.get("preload_b", False)
+        seen["combine"] += folded
+        seen["norm"] += folded and kw["combine"]["add_norm"] is not None
         return invoke(*a, **kw)
-    monkeypatch.setattr(linear_triton, "gemv_add_norm", count_add_norm)
     monkeypatch.setattr(routed_moe_triton, "invoke_fused_moe_kernel", count_combine)
     fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
-    folded = engine(tmp_path, {**fast, "moe": "triton", "routing": "fused"}, eager=False, moe_fuse_norm_max_tokens=1)
-    assert folded.runner.plan.moe_route_in_grid and folded.runner.ops.linear.name == "triton"
-    assert seen["add_norm"] > 0 and seen["combine"] > 0, seen  # the one-token graph was captured with them
+    folded = engine(tmp_path, {**fast, "moe": "triton", "routing": "fused"}, eager=False)
+    assert folded.runner.plan.moe_route_in_grid and folded.runner.ops.moe_fuse_norm_in_grid
+    assert folded.runner.ops.linear.name == "triton"
+    assert seen["combine"] > 0 and seen["norm"] > 0, seen  # the one-token graph was captured with them
     plain = engine(tmp_path, {**fast, "moe": "triton", "routing": "fused", "linear": "torch"}, eager=False,
                    moe_route_in_grid=False)
+    assert not plain.runner.ops.moe_fuse_norm_in_grid
     g = torch.Generator().manual_seed(43)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
     r = lockstep(folded, plain, prompts, MAX_TOKENS, follow="fast")
