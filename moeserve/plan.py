@@ -121,9 +121,10 @@ class RuntimePlan:
     @property
     def moe_fuse_norm_in_grid(self) -> bool:
         """Whether one-token steps that route in the fused MoE's grid fold the next norm into its combine
-        (``moe_fuse_norm_in_grid``)."""
+        (``moe_fuse_norm_in_grid``); not with the one-kernel attention half (``attention_layer_kernel``), which adds
+        the residual and applies the input norm itself and runs only where no layer before did."""
         return (self.config.moe_fuse_norm_in_grid and self.moe_route_in_grid and self.quantization == "none"
-                and not self.parallel.is_parallel and not self.config.torch_compile)
+                and not self.parallel.is_parallel and not self.config.torch_compile and not self.layer_kernel)
 
     @property
     def moe_fused_shared_early(self) -> bool:

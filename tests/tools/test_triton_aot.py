@@ -178,6 +178,23 @@ def test_the_add_norm_kernel_is_listed_for_small_steps_with_the_flashinfer_norm(
         assert norm_entries(**kw) == (0, []), kw
 
 
+def test_the_down_gemm_runs_the_combine_and_norm_of_one_token_steps_that_route_in_the_grid(tmp_path):
+    """``moe_fuse_norm_in_grid`` (default on where ``moe_route_in_grid`` applies): the plan lists the down GEMM with
+    its weights loaded before its wait and the combine and the next norm in its last program; off, or with the
+    one-kernel attention half (which applies the input norm itself), the down GEMM runs the combine alone."""
+    def down_entries(**kw):
+        plan = plan_for_arch(make_config(model="qwen1.5-moe-a2.7b", dtype="bfloat16", max_num_batched_tokens=2,
+                                         max_num_seqs=2, **kw), "9.0a")
+        listed = triton_aot.list_kernels(plan, *H200, tmp_path / str(sorted(kw.items())))
+        return (plan.triton_fingerprint(H200[1])["fuse_norm_in_grid"],
+                sorted((k["constants"].get("PRELOAD_B"), k["constants"].get("COMBINE"), k["constants"].get("ADD_NORM"))
+                       for k in listed if k["name"] == "fused_moe_kernel" and "COMBINE" in k["constants"]))
+
+    assert down_entries() == (True, [("True", "8", "True")])
+    for kw in ({"moe_fuse_norm_in_grid": False}, {"attention_layer_kernel": True}):
+        assert down_entries(**kw) == (False, [("True", "8", "False")]), kw
+
+
 def test_the_lm_head_is_among_the_gemv_shapes_precompile_builds(monkeypatch):
     """``compute_logits`` runs the LM head through the linear backend, so the GEMV of one-token steps covers its
     ``[vocab, hidden]`` weight (151,936 x 2,048 for Qwen1.5-MoE) and ``precompile`` builds it; ``GEMV_MAX_N``
