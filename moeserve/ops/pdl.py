@@ -13,7 +13,7 @@ the GEMV) do too.
 Each such kernel takes a ``PDL`` constexpr and starts with ``pdl_triton.wait_prior``: it waits for the kernel
 before it ahead of reading or writing anything (so no hazard depends on what a kernel reads later), then lets
 the next one be scheduled; the fused MoE GEMM lets the next one be scheduled only after its main loop, so that
-kernel's blocks do not wait on SMs that the GEMM's later blocks could run on. Two exceptions read before they
+kernel's blocks do not wait on SMs that the GEMM's later blocks could run on. Exceptions read before they
 wait, each only what is complete whenever it can start. The one-kernel decode attention
 (``attention.decode_triton``) loads the step's positions and pages and its first block of cached keys and values:
 the inputs were copied in before the step began and the cached keys written by earlier steps. And
@@ -22,8 +22,9 @@ input before waiting, and the routing kernel before it lets it be scheduled at o
 program has passed its own wait for the norm that wrote that input (``triton_kernels.fused_moe``'s
 ``fixed_tail``). Where ``moe_route_in_grid`` applies (the default), such a step instead runs the router, the
 routing and that GEMM as one grid (``moe.routed_moe_triton``), which waits first like the others; its routed tiles
-then wait on a flag the routing sets. ``PDL`` false compiles the kernel as before; the Triton interpreter runs it
-that way.
+then wait on a flag the routing sets, and only then let the down GEMM after the grid be scheduled, whose tiles read
+their expert ids and first weight tiles before they wait (``DOWN_PRELOAD``). ``PDL`` false compiles the kernel as
+before; the Triton interpreter runs it that way.
 
 The switch is process-wide (:func:`configure`), by step size: the engine sets it from its plan at start, before
 it warms or captures anything, and again before each step; ``moeserve precompile`` sets it from the plan of the

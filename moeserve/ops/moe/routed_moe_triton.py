@@ -21,7 +21,9 @@ The routed tiles wait only on lower program ids, which the GPU dispatches first 
 Should that ever fail, a routed tile gives up after ``SPIN_LIMIT`` reads of the ready flag (seconds, where the
 routing takes microseconds) and ends the kernel with a trap: the launch fails with a CUDA error instead of hanging
 (``moe_route_in_grid: false`` then runs the three kernels). +2.5% at c=1 on an H200
-(docs/results/2026-12-04-h200-v). The down GEMM and the combine are ``triton_kernels``'s.
+(docs/results/2026-12-04-h200-v). The down GEMM after the grid is ``triton_kernels``'s: its tiles load their first
+weight tile before they wait for the grid (:data:`DOWN_PRELOAD`), and its last program runs the combine, with the
+next norm where the block folds it (:data:`DOWN_COMBINE`; ``moe_fuse_norm_in_grid``).
 """
 from __future__ import annotations
 
