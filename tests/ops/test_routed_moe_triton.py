@@ -40,7 +40,8 @@ def make_case(H, I, E, rows, k, pieces, gated, dtype, gen, device="cpu"):
     return x, router.to(dtype), interleave_gate_up(w13), w2
 
 
-# the down GEMM after the grid: (name, preload, combine, add_norm); the default (neither) is the first
+# the down GEMM after the grid: (name, preload, combine, add_norm); the first runs neither (as before DOWN_PRELOAD and
+# DOWN_COMBINE, the defaults, which the tests calling fused_moe_routed without them run)
 DOWN_VARIANTS = [("", False, False, False), ("preload", True, False, False), ("combine", False, True, False),
                  ("preload-combine-norm", True, True, True), ("combine-norm", False, True, True)]
 EPS = 1e-6
@@ -171,7 +172,7 @@ def same_or_norm_ulp(a: torch.Tensor, b: torch.Tensor, normed: bool) -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("variant", DOWN_VARIANTS, ids=[v[0] or "default" for v in DOWN_VARIANTS])
+@pytest.mark.parametrize("variant", DOWN_VARIANTS, ids=[v[0] or "neither" for v in DOWN_VARIANTS])
 def test_routing_in_the_experts_grid_on_the_gpu_in_a_cuda_graph(variant):
     """Qwen1.5-MoE's layer (60 experts, top-4, the shared expert's gate a router row, four pieces), the tuned
     one-token tiles, PDL: eagerly and over 50 CUDA-graph replays with fresh tokens, bit for bit the separate
