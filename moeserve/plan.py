@@ -104,17 +104,16 @@ class RuntimePlan:
                 and self.dtype in (torch.bfloat16, torch.float16) and not self.config.torch_compile)
 
     @property
-    def moe_fuse_norm(self) -> bool:
-        """Whether the MoE combine applies the next norm at every step size (``moe_fuse_norm``; where the MoE
-        backend can, ``MoEBackend.fuses_norm``): unquantised experts of one rank, not under torch.compile."""
-        return (self.config.moe_fuse_norm and self.quantization == "none" and not self.parallel.is_parallel
-                and not self.config.torch_compile)
+    def _moe_norm_folds(self) -> bool:
+        """Whether the MoE combine may apply the next norm at all (where the MoE backend can,
+        ``MoEBackend.fuses_norm``): unquantised experts of one rank, not under torch.compile."""
+        return self.quantization == "none" and not self.parallel.is_parallel and not self.config.torch_compile
 
     @property
     def moe_fuse_norm_max_tokens(self) -> int:
         """Steps of at most this many tokens fold the next norm into the MoE combine (``moe_fuse_norm_max_tokens``;
-        every step with ``moe_fuse_norm``), under ``moe_fuse_norm``'s conditions."""
-        if self.config.torch_compile or self.quantization != "none" or self.parallel.is_parallel:
+        every step with ``moe_fuse_norm``)."""
+        if not self._moe_norm_folds:
             return 0
         return self.max_step_tokens if self.config.moe_fuse_norm else self.config.moe_fuse_norm_max_tokens
 
@@ -123,8 +122,8 @@ class RuntimePlan:
         """Whether one-token steps that route in the fused MoE's grid fold the next norm into its combine
         (``moe_fuse_norm_in_grid``); not with the one-kernel attention half (``attention_layer_kernel``), which adds
         the residual and applies the input norm itself and runs only where no layer before did."""
-        return (self.config.moe_fuse_norm_in_grid and self.moe_route_in_grid and self.quantization == "none"
-                and not self.parallel.is_parallel and not self.config.torch_compile and not self.layer_kernel)
+        return (self.config.moe_fuse_norm_in_grid and self.moe_route_in_grid and self._moe_norm_folds
+                and not self.layer_kernel)
 
     @property
     def moe_fused_shared_early(self) -> bool:
