@@ -9,7 +9,10 @@ post-attention norm, routing, the MoE phase up to the combine), then, inside the
 start and end after routing (after the post-attention norm where the routing runs in the MoE's grid), and when the
 attention kernel started after the QKV GEMV did. Kernels launched with programmatic dependent launch start before
 their predecessor ends (once each of its programs has started), so a phase is measured by ends. ``--launches``
-adds, for each pair of kernels that follow one another, when the second started after the first.
+adds, for each pair of kernels that follow one another, when the second started after the first; ``--between``,
+what lies between two steps: from the end of a step's greedy-tokens kernel (the LM head's epilogue's last launch)
+to the start of the next step's first QKV GEMV (median over the trace's steps), and each kernel and copy there in
+one such gap (start and duration, µs from the greedy kernel's end).
 """
 from __future__ import annotations
 
@@ -77,17 +80,41 @@ def launches(ks: list, least: int = 20) -> list[tuple]:
             for key, v in sorted(pairs.items(), key=lambda kv: -len(kv[1])) if len(v) >= least]
 
 
+def between_steps(trace: dict) -> tuple[float, int, list[tuple[str, float, float]]]:
+    """``(median µs from a step's greedy-tokens kernel's end to the next step's first QKV GEMV's start, steps, the
+    kernels and copies of the median gap: (name, start, duration) µs from that end)``."""
+    evs = sorted(((e["name"], float(e["ts"]), float(e["dur"])) for e in trace.get("traceEvents", [])
+                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda e: e[1])
+    gaps = []
+    for i, (name, ts, dur) in enumerate(evs):
+        if not name.startswith("_greedy_tokens"):
+            continue
+        j = next((j for j in range(i + 1, min(len(evs) - 1, i + 40))
+                  if evs[j][0] in ("_gemv_kernel", "_gemv_row_kernel") and evs[j + 1][0].startswith("qkv_decode")), None)
+        if j is not None:
+            t0 = ts + dur
+            gaps.append((evs[j][1] - t0, [(n, a - t0, d) for n, a, d in evs[i + 1:j + 1]]))
+    if not gaps:
+        return 0.0, 0, []
+    gaps.sort(key=lambda g: g[0])
+    gap, parts = gaps[len(gaps) // 2]
+    return gap, len(gaps), parts
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python scripts/layer_phases.py", description=__doc__.split("\n\n")[0])
     p.add_argument("traces", nargs="+", help="step_profile's decode-c1.json.gz traces")
     p.add_argument("--launches", action="store_true", help="also when each kernel started after the one before")
+    p.add_argument("--between", action="store_true", help="also what lies between two steps")
     args = p.parse_args(argv)
     paths = args.traces
     for path in paths:
         try:
-            ks = kernels_from_trace(json.load(gzip.open(path)))
+            trace = json.load(gzip.open(path))
         except (OSError, ValueError) as e:
             p.error(f"{path}: not a readable gzipped trace ({e})")
+        ks = kernels_from_trace(trace)
         phases, moe = layer_phases(ks)
         print(f"{path}: {len(ks)} kernels; a layer (median) {phases.pop('layer'):.2f} us:")
         launch = phases.pop("attention launch after qkv start")
@@ -100,6 +127,12 @@ def main(argv: list[str]) -> int:
             print("   kernel -> next kernel: times; us from its start to the next one's start; from there to its end")
             for a, ga, b, gb, n, start, before_end in launches(ks):
                 print(f"     {a:40s} {ga:13s} -> {b:40s} {gb:13s} {n:4d} {start:+8.2f} {before_end:+8.2f}")
+        if args.between:
+            gap, steps, parts = between_steps(trace)
+            print(f"   between steps (median of {steps}): {gap:.2f} us from the greedy tokens' kernel's end to the next "
+                  "QKV GEMV; in that gap (start, duration):")
+            for name, start, dur in parts:
+                print(f"     {name[:60]:60s} {start:+8.2f} {dur:7.2f}")
     return 0
 
 

@@ -7,7 +7,8 @@ and the LM head, whose logits it leaves in the model's dtype (``MoECausalLM.gree
 backend finds the greedy tokens in the LM head's epilogue (one-token steps on the Triton GEMV) they are an output
 too. Sampling otherwise runs after the graph. Before a replay one kernel copies the step's ids and positions into
 the graph's buffers, feeds the tokens still in flight (``StepBatch.feed``) and copies the attention's index lists
-into its fixed buffers (what the backend's ``begin_graph`` leaves to it).
+into its fixed buffers (what the backend's ``begin_graph`` leaves to it); it also copies the previous step's
+sampled tokens out to the host where that step left them to it (``moeserve.engine.runner``).
 """
 from __future__ import annotations
 
@@ -105,9 +106,11 @@ class DecodeGraphs:
             ids, pos = self.inputs[self.sizes[0]]
             feed_step_inputs(ids, pos, ids.clone(), pos.clone())
 
-    def replay(self, bs: int, batch: StepBatch, after_plan=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def replay(self, bs: int, batch: StepBatch, after_plan=None, tokens_out=None,
+               after_feed=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replay the step's graph; returns its outputs for every row (padding too): the logits in the model's
-        dtype, and the greedy tokens where the graph finds them (else None)."""
+        dtype, and the greedy tokens where the graph finds them (else None). ``tokens_out``: ``(tokens, host)``, the
+        previous step's sampled tokens for the feed to copy out; ``after_feed``: called once the feed is queued."""
         ids, pos = self.inputs[bs]
         copies = [] if FEED_KERNEL and FEED_COPIES else None
         variant = self.runner.ops.attention.begin_graph(bs, batch.attn, copies=copies)
@@ -115,8 +118,11 @@ class DecodeGraphs:
             after_plan()
         if FEED_KERNEL:
             feed_step_inputs(ids, pos, batch.input_ids, batch.positions, *(batch.feed or (None,) * 3),
-                             copies=copies or ())
+                             copies=copies or (), tokens_out=tokens_out)
         else:
-            feed_step_inputs_reference(ids, pos, batch.input_ids, batch.positions, *(batch.feed or ()))
+            feed_step_inputs_reference(ids, pos, batch.input_ids, batch.positions, *(batch.feed or ()),
+                                       tokens_out=tokens_out)
+        if after_feed is not None:
+            after_feed()
         self.graphs[bs, variant].replay()
         return self.outputs[bs, variant]

@@ -6,7 +6,9 @@ steps up to ``prefill_graph_max_tokens`` (``moeserve.engine.piecewise``).
 A step is launched (``launch``: everything queued on the GPU, the sampled tokens copied into pinned host
 memory behind an event) and later waited for (``wait``); ``execute`` does both. Between the two the host
 is free to schedule and launch the next step, which reads the tokens it feeds from this step's device
-tensor (a request's ``inflight_row``). FlashInfer's ``plan()`` writes the next step's schedule into a
+tensor (a request's ``inflight_row``). Where that next step replays a decode graph, its input feed copies this
+step's tokens out as well (``DEFER_TOKEN_COPY``), so no copy sits between the two steps on the GPU; a step whose
+tokens no launch took along copies them when it is waited for. FlashInfer's ``plan()`` writes the next step's schedule into a
 pinned buffer of the wrapper before copying it to the device, so each plan waits for the copy of the
 previous one (an event; by then long done).
 
@@ -43,6 +45,9 @@ from moeserve.weights import load_weights
 log = logging.getLogger("moeserve")
 
 CPU_KV_BUDGET_BYTES = 1 << 30
+# a step's sampled tokens go to the host with the next step's decode-graph input feed where there is one (False: a
+# copy queued right after the step, as before: an A/B switch, read when a runner is made)
+DEFER_TOKEN_COPY = True
 
 
 @dataclass
@@ -52,6 +57,7 @@ class LaunchedStep:
     tokens: torch.Tensor | None = None  # device, int64
     host: torch.Tensor | None = None  # pinned copy of tokens
     event: torch.cuda.Event | None = None
+    pending: bool = False  # host is still to be written (and event recorded): by the next feed, or by wait
     sampled_logprobs: SampledLogprobs | None = None  # host copies, for the sampling requests that asked
     prompt_logprobs: PromptLogprobs | None = None  # host copies, for the prefill chunks that asked
 
@@ -88,6 +94,7 @@ class ModelRunner:
         self.parallel = plan.parallel
         self.num_heads, self.num_kv_heads, _ = local_heads(self.arch, self.parallel)  # this rank's
         self.copies_tokens = True  # copy sampled tokens to the host (ranks other than 0 have no use for them)
+        self.defer_token_copy = DEFER_TOKEN_COPY
         self.free_at_start = 0
         # Seconds of each part of the start, in order (``startup_phases``; the engine adds its own).
         self.startup_phases: dict[str, float] = {}
@@ -419,12 +426,17 @@ class ModelRunner:
             bucket = graphs.bucket(len(items))
             batch = self.builder.build(items, pad_to=bucket, prev_tokens=prev, defer_feed=True)
             self._before_plan()
-            logits, greedy = graphs.replay(bucket, batch, after_plan=self._after_plan)
+            last = self._last if self._last is not None and self._last.pending else None
+            logits, greedy = graphs.replay(bucket, batch, after_plan=self._after_plan,
+                                           tokens_out=None if last is None else (last.tokens, last.host),
+                                           after_feed=None if last is None else lambda: self._copied(last))
             if all(it.samples for it in items):
                 rows = slice(0, len(items))
             else:
                 rows = batch.logits_indices.long()
             return logits[rows], None, None if greedy is None else greedy[rows]
+        if self._last is not None and self._last.pending:
+            self._copy_tokens(self._last)
         pieces = self.piecewise
         size = pieces.bucket(step.num_tokens) if pieces is not None and not scores_prompt else None
         batch = self.builder.build(items, prev_tokens=prev, pad_to=size, fixed=size is not None)
@@ -495,18 +507,33 @@ class ModelRunner:
             launched.sampled_logprobs = self._score_sampled(sampling, logits, tokens)
             if self.copies_tokens and cuda:
                 launched.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-                launched.host.copy_(tokens, non_blocking=True)
+                launched.pending = self.defer_token_copy and self.graphs is not None
+                if not launched.pending:
+                    launched.host.copy_(tokens, non_blocking=True)
             elif self.copies_tokens:
                 launched.host = tokens
-        if cuda and (launched.host is not None or launched.prompt_logprobs is not None):
-            launched.event = torch.cuda.Event()
-            launched.event.record()
+        if cuda and not launched.pending and (launched.host is not None or launched.prompt_logprobs is not None):
+            self._copied(launched)
         self._last = launched
         return launched
+
+    @staticmethod
+    def _copied(launched: LaunchedStep) -> None:
+        """The step's copies to the host are queued: the event its wait blocks on."""
+        launched.event = torch.cuda.Event()
+        launched.event.record()
+        launched.pending = False
+
+    def _copy_tokens(self, launched: LaunchedStep) -> None:
+        """Queue the copy of a step's tokens that no decode graph's feed took along."""
+        launched.host.copy_(launched.tokens, non_blocking=True)
+        self._copied(launched)
 
     def wait(self, launched: LaunchedStep) -> StepOutput:
         """Block until the step's tokens (and log-probabilities) are on the host."""
         step = launched.step
+        if launched.pending:
+            self._copy_tokens(launched)
         if launched.event is not None:
             launched.event.synchronize()
         out = StepOutput(step.step_id, [None] * len(step.requests))

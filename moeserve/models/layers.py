@@ -511,8 +511,14 @@ class MoECausalLM(nn.Module):
         return p.all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed(input_ids)
-        residual, normed = None, False
+        first = None if self.ops.parallel.is_parallel else self.ops.norm.embed_rmsnorm(
+            input_ids, self.embed_tokens, self.layers[0].input_layernorm, self.layers[0].eps)
+        if first is not None:  # the embedding and the first layer's input norm in one kernel
+            hidden, residual = first
+            normed = True
+        else:
+            hidden = self.embed(input_ids)
+            residual, normed = None, False
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             next_norm = self.norm if i == last else self.layers[i + 1].input_layernorm

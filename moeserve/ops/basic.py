@@ -12,6 +12,10 @@ from moeserve.ops.interfaces import ActivationBackend, NormBackend, RopeBackend
 
 # --- RMSNorm ------------------------------------------------------------------------------------
 
+# steps that run the Triton add + RMSNorm also gather their embedding rows and apply the first norm in one kernel
+# (False: F.embedding and FlashInfer's rmsnorm, as before: an A/B switch, read when the backend is made)
+EMBED_NORM = True
+
 class TorchNorm(NormBackend):
     """RMSNorm as Hugging Face computes it: in float32, cast back, then scaled by the weight."""
 
@@ -39,6 +43,7 @@ class FlashInferNorm(NormBackend):
         import flashinfer.norm as fn
         self._fn = fn
         self.triton_max_tokens = triton_max_tokens
+        self.embed_norm = EMBED_NORM
 
     def takes_triton(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
         """Whether :meth:`add_rmsnorm` of these rows runs the Triton kernel."""
@@ -51,6 +56,20 @@ class FlashInferNorm(NormBackend):
     def _triton_add_rmsnorm(self, x, residual, weight, eps):
         from moeserve.ops.norm_triton import add_rmsnorm
         return add_rmsnorm(x, residual, weight, eps)
+
+    def embed_rmsnorm(self, ids, table, weight, eps):
+        """Steps of at most ``triton_max_tokens`` tokens: :func:`moeserve.ops.norm_triton.embed_rmsnorm`
+        (``embed_norm``, from ``EMBED_NORM``)."""
+        from moeserve.ops import norm_triton
+        if not (self.embed_norm and ids.is_cuda and ids.dim() == 1 and 0 < ids.shape[0] <= self.triton_max_tokens
+                and table.shape[1] <= norm_triton.MAX_HIDDEN and table.stride(1) == 1):
+            return None
+        return self._triton_embed_rmsnorm(ids, table, weight, eps)
+
+    @eager
+    def _triton_embed_rmsnorm(self, ids, table, weight, eps):
+        from moeserve.ops.norm_triton import embed_rmsnorm
+        return embed_rmsnorm(ids, table, weight, eps)
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 3:  # per-head q/k norm: FlashInfer takes (tokens, heads, dim) directly

@@ -163,6 +163,12 @@ class NormBackend(ABC):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual + x`` becomes the new residual; returns (rmsnorm(new residual), new residual)."""
 
+    def embed_rmsnorm(self, ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(rmsnorm(table[ids]) * weight, table[ids])`` in one kernel (a step's embedding and its first norm), or
+        None where this backend runs them apart."""
+        return None
+
 
 class RopeBackend(ABC):
     name: ClassVar[str]

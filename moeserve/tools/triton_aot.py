@@ -363,7 +363,7 @@ def _pdl_step_sizes(pdl_bound: int, largest: int) -> list[int]:
 def launch_every_kernel(plan, on_step=None) -> None:
     """Run, on ``meta`` tensors, every Triton launch the plan can make: the attention's QKV kernel, the MoE
     layer (router, routing, fused MoE, combine) for each step size from 1 to the largest, the residual add +
-    RMSNorm of small steps, the decode graphs' input feed, the GEMV for each linear and small step, and the decode
+    RMSNorm of small steps and their embedding with the first norm, the decode graphs' input feed, the GEMV for each linear and small step, and the decode
     graphs' LM head with the greedy tokens in its epilogue. Inside
     ``compile_session`` each launch compiles (or lists) its kernel instead of running. ``on_step(t)`` is called
     before the step of ``t`` tokens, ``on_step(None)`` before the input feed and the GEMVs."""
@@ -398,6 +398,11 @@ def launch_every_kernel(plan, on_step=None) -> None:
                 on_step(tokens)
                 x = torch.empty((tokens, h), dtype=plan.dtype, device=meta)
                 add_rmsnorm(x, torch.empty_like(x), torch.empty(h, dtype=plan.dtype, device=meta), 1e-6)
+                if not plan.parallel.is_parallel:  # the step's embedding and first norm (FlashInferNorm.embed_rmsnorm)
+                    from moeserve.ops.norm_triton import embed_rmsnorm
+                    embed_rmsnorm(torch.empty(tokens, dtype=torch.int32, device=meta),
+                                  torch.empty((plan.arch.vocab_size, h), dtype=plan.dtype, device=meta),
+                                  torch.empty(h, dtype=plan.dtype, device=meta), 1e-6)
         on_step(None)
         if fp.get("decode_graphs"):  # before each decode graph's replay
             from moeserve.ops.inputs_triton import feed_step_inputs

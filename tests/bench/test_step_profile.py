@@ -181,3 +181,29 @@ def test_launches_are_timed_from_each_kernels_start():
     got = {(r[0], r[2]): r[4:] for r in lp.launches(ks, least=3)}
     assert got[("A", "B")] == (3, 1, 9) and got[("B", "C")] == (3, 12.5, -0.5)
     assert ("C", "A") not in got  # only twice
+
+
+def test_between_steps_measures_from_the_greedy_kernel_to_the_next_qkv_gemv(tmp_path):
+    """``layer_phases.between_steps``: per step, the greedy-tokens kernel's end to the next step's first QKV GEMV
+    (the GEMV before a decode attention) with the kernels and copies between; the median step's gap is listed."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("layer_phases", Path(__file__).resolve().parents[2] / "scripts"
+                                                  / "layer_phases.py")
+    lp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lp)
+
+    def ev(name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+    events = []
+    for i, gap in enumerate([9.0, 12.0, 30.0]):
+        t = 1000.0 * i  # the greedy kernel ends at t + 2; a copy, the feed, the embedding, then the QKV GEMV
+        events += [ev("_greedy_tokens_kernel", t, 2), ev("Memcpy DtoH (Device -> Pinned)", t + 4, 1, "gpu_memcpy"),
+                   ev("_feed_kernel", t + 6, 1), ev("_embed_rmsnorm_kernel", t + 8, 1),
+                   ev("_gemv_kernel", t + 2 + gap, 10), ev("qkv_decode_attention_kernel", t + 5 + gap, 9),
+                   ev("_gemv_kernel", t + 14 + gap, 3)]  # the output projection: not a step's first
+    gap, steps, parts = lp.between_steps({"traceEvents": events})
+    assert (gap, steps) == (12.0, 3)
+    assert [p[0] for p in parts] == ["Memcpy DtoH (Device -> Pinned)", "_feed_kernel", "_embed_rmsnorm_kernel",
+                                     "_gemv_kernel"]
+    assert parts[0][1:] == (2.0, 1.0) and parts[-1][1] == 12.0
+    assert lp.between_steps({"traceEvents": events[1:6]}) == (0.0, 0, [])  # no greedy kernel: nothing to measure

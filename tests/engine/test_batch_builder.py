@@ -122,3 +122,40 @@ def test_pages_shared_by_many_requests_fit_the_device_buffer():
     assert batch.attn.kv_indices.tolist() == (shared + [41]) + sum(([*shared, 41 + i] for i in range(1, 8)), [])
     assert batch.attn.kv_indptr.tolist() == [41 * i for i in range(9)]
     assert builder.dev.numel() >= 8 * 41
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("side_copy", [True, False], ids=["side-copy", "step-stream"])
+def test_steps_built_ahead_of_a_busy_gpu_read_their_own_values(monkeypatch, side_copy):
+    """``batch.SIDE_COPY``: steps built one after another while the GPU is still busy with earlier work (a sleep
+    queued first), each read on the step's stream right after its build (as a step's kernels do), read their own
+    values: the copy stream's writes wait for the reads of the step two builds back (the buffer it reuses), and the
+    step's stream waits for each copy. A fixed layout between them keeps its one buffer at one address. Against
+    the builder without the side stream, which queues every copy on the step's stream."""
+    from moeserve.engine import batch as batch_mod
+    monkeypatch.setattr(batch_mod, "SIDE_COPY", side_copy)
+    dev = torch.device("cuda")
+    builder = BatchBuilder(PAGE, 64, 8, 256, dev)
+    assert builder.side_copy == side_copy
+    reads, expected, fixed_at = [], [], set()
+    torch.cuda._sleep(50_000_000)  # tens of milliseconds: every build and copy below is queued long before it ends
+    for i in range(9):
+        items = [request(f"r{j}", 5 + i + j, [1000 * i + j], [1 + i, 2 + j]) for j in range(1 + i % 4)]
+        b = builder.build(items)
+        reads.append({"ids": b.input_ids.clone(), "pos": b.positions.clone(), "indices": b.attn.kv_indices.clone(),
+                      "indices_host": b.attn.kv_indices_host.tolist()})  # (nothing here waits for the GPU)
+        expected.append(([1000 * i + j for j in range(len(items))], [5 + i + j for j in range(len(items))]))
+        if i % 3 == 2:
+            f = builder.build(mixed_step(), pad_to=12, fixed=True)
+            fixed_at.add(f.input_ids.data_ptr())
+            reads.append({"fixed": f.input_ids.clone()})
+    torch.cuda.synchronize()
+    assert len(fixed_at) == 1
+    for r in reads:
+        if "fixed" in r:
+            assert r["fixed"].tolist()[:9] == list(range(10, 16)) + [42, 7, 8]
+            continue
+        ids, pos = expected.pop(0)
+        assert r["ids"].tolist() == ids and r["pos"].tolist() == pos, (r["ids"].tolist(), ids)
+        assert r["indices"].tolist() == r["indices_host"]

@@ -446,3 +446,79 @@ def test_one_token_seams_follow_an_engine_without_them(tmp_path, monkeypatch):
     r = lockstep(folded, plain, prompts, MAX_TOKENS, follow="fast")
     assert r.graph_steps > 0
     assert r.worst > 0.999 and r.agreement >= 0.95, (r.worst, r.agreement)
+
+
+def _generate(eng, prompts, params):
+    """Every request's tokens, the engine stepped (asynchronously, its default) until none is left."""
+    seqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        assert steps < 1000
+    assert eng.pool.num_free == eng.pool.capacity
+    return [list(s.output_token_ids) for s in seqs]
+
+
+def test_copies_between_steps_off_the_step_stream_give_the_same_tokens(tmp_path, monkeypatch):
+    """Between two steps: the step's inputs copied on a stream of their own (``batch.SIDE_COPY``) and the sampled
+    tokens copied out by the next decode graph's input feed (``runner.DEFER_TOKEN_COPY``), the defaults, against an
+    engine with both off: exactly the same tokens (greedy rows and a seeded sampled row, prefill chunks and decode
+    graphs, requests that end at different steps), with the feed seen copying tokens out for most steps and the
+    steps it did not take copying them themselves."""
+    from moeserve.engine import batch as batch_mod
+    from moeserve.engine import graphs as graphs_mod
+    from moeserve.engine import runner as runner_mod
+    from moeserve.engine.sampling_params import SamplingParams
+    from moeserve.ops import basic
+    make_checkpoint("qwen2_moe", tmp_path, seed=47, **GPU_QWEN2)
+    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
+    g = torch.Generator().manual_seed(53)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    params[2] = SamplingParams(temperature=1.0, top_k=50, seed=17, max_tokens=12, ignore_eos=True)
+    monkeypatch.setattr(basic, "EMBED_NORM", False)  # the same arithmetic in both engines
+    fed_out = []
+    feed = graphs_mod.feed_step_inputs
+    monkeypatch.setattr(graphs_mod, "feed_step_inputs",
+                        lambda *a, **kw: fed_out.append(kw.get("tokens_out") is not None) or feed(*a, **kw))
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(batch_mod, "SIDE_COPY", on)
+        monkeypatch.setattr(runner_mod, "DEFER_TOKEN_COPY", on)
+        eng = engine(tmp_path, {**fast, "moe": "triton"}, eager=False)
+        assert eng.runner.builder.side_copy == on and eng.runner.defer_token_copy == on
+        fed_out.clear()
+        outs[on] = _generate(eng, prompts, params)
+        if on:  # most decode steps' tokens went out with the next step's feed
+            assert sum(fed_out) > len(fed_out) // 2, fed_out
+        else:
+            assert fed_out and not any(fed_out)
+        del eng
+        torch.cuda.empty_cache()
+    assert [len(o) for o in outs[True]] == [sp.max_tokens for sp in params]
+    assert outs[True] == outs[False]
+
+
+def test_embedding_and_first_norm_in_one_kernel_follow_the_two(tmp_path, monkeypatch):
+    """``basic.EMBED_NORM`` (the default): steps of up to ``norm_triton_max_tokens`` tokens gather their embedding
+    rows and apply the first layer's norm in one Triton kernel (captured in the decode graphs, eager for small
+    prefill chunks). Against the engine that runs ``F.embedding`` and FlashInfer's ``rmsnorm``: the fast path's
+    tolerance (worst cosine > 0.999, at least 95% of the greedy tokens the same)."""
+    from moeserve.ops import basic
+    make_checkpoint("qwen2_moe", tmp_path, seed=59, **GPU_QWEN2)
+    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
+    rows = []
+    launch = basic.FlashInferNorm._triton_embed_rmsnorm
+    monkeypatch.setattr(basic.FlashInferNorm, "_triton_embed_rmsnorm",
+                        lambda self, ids, *a: rows.append(ids.shape[0]) or launch(self, ids, *a))
+    one = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, norm_triton_max_tokens=8)
+    assert rows and max(rows) <= 8  # in the decode graphs' capture
+    monkeypatch.setattr(basic, "EMBED_NORM", False)
+    two = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, norm_triton_max_tokens=8)
+    assert not two.runner.ops.norm.embed_norm and one.runner.ops.norm.embed_norm
+    g = torch.Generator().manual_seed(61)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    r = lockstep(one, two, prompts, MAX_TOKENS, follow="fast")
+    assert r.graph_steps > 0
+    assert r.worst > 0.999 and r.agreement >= 0.95, (r.worst, r.agreement)

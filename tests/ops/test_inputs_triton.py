@@ -1,5 +1,6 @@
 """The decode graphs' input feed (``moeserve.ops.inputs_triton``) against its torch reference: on the CPU under
-Triton's interpreter (one subprocess), on a GPU (``-m gpu``); and the batch builder's deferred feed, whose rows the
+Triton's interpreter (one subprocess), on a GPU (``-m gpu``; the previous step's tokens copied out into pinned host
+memory by the kernel); and the batch builder's deferred feed, whose rows the
 feed fills as the builder's own gather does. Inputs are fresh random each run; the seed is in failure messages
 (``MOESERVE_TEST_SEED`` replays one)."""
 from __future__ import annotations
@@ -21,7 +22,10 @@ SEED = int(os.environ.get("MOESERVE_TEST_SEED", int.from_bytes(os.urandom(4), "l
 CASES = {"one": (1, 1, 1, ()), "padded": (4, 3, 5, ()), "long": (150, 70, 90, ()), "none": (5, 0, 0, ()),
          "copies": (4, 4, 4, ((4, 4), (5, 5), (37, 64))),
          "copies-long": (32, 20, 32, ((32, 32), (33, 33), (2500, 2600))),
-         "copy-only": (3, 0, 0, ((3, 3),))}
+         "copy-only": (3, 0, 0, ((3, 3),)),
+         # the previous step's tokens copied out as well (``tokens_out``): with fed rows, and more than one pass of
+         # tokens without
+         "out": (3, 2, 6, ()), "out-unfed": (2, 0, 70, ())}
 
 
 def make_case(rows: int, fed: int, prev_n: int, copy_lens, gen: torch.Generator, device="cpu"):
@@ -44,23 +48,28 @@ def make_case(rows: int, fed: int, prev_n: int, copy_lens, gen: torch.Generator,
     return (*views[:4], prev.to(device), [(a, size) for a, (_, size) in zip(views[4:], copy_lens)])
 
 
-def run(fn, case):
-    """The feed's outputs: ids, positions, and each other copy's buffer (-7 where nothing was copied)."""
+def run(fn, case, tokens_out=False, out=None):
+    """The feed's outputs: ids, positions, and each other copy's buffer (-7 where nothing was copied); with
+    ``tokens_out`` the previous step's tokens copied out too, into ``out`` (else a new tensor), last."""
     ids, pos, dst, src, prev, others = case
     ids_out = torch.full_like(ids, -7)
     pos_out = torch.full_like(pos, -7)
     copies = [(a, torch.full((size,), -7, dtype=torch.int32, device=a.device)) for a, size in others]
+    tok = None
+    if tokens_out:
+        tok = (prev, out if out is not None else torch.full_like(prev, -7))
     if dst.numel():
-        fn(ids_out, pos_out, ids, pos, dst, src, prev, copies=copies)
+        fn(ids_out, pos_out, ids, pos, dst, src, prev, copies=copies, tokens_out=tok)
     else:
-        fn(ids_out, pos_out, ids, pos, copies=copies)
-    return ids_out, pos_out, [b for _, b in copies]
+        fn(ids_out, pos_out, ids, pos, copies=copies, tokens_out=tok)
+    return ids_out, pos_out, [b for _, b in copies], None if tok is None else tok[1]
 
 
 def _interpreter_worker(in_path: str, out_path: str) -> None:
     patch_for_numpy()
     from moeserve.ops.inputs_triton import feed_step_inputs
-    torch.save({name: run(feed_step_inputs, case) for name, case in torch.load(in_path).items()}, out_path)
+    torch.save({name: run(feed_step_inputs, case, name.startswith("out"))
+                for name, case in torch.load(in_path).items()}, out_path)
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +84,11 @@ def test_feed_matches_the_torch_gather_under_the_interpreter(interpreted, name):
     from moeserve.ops.inputs_triton import feed_step_inputs_reference
     inputs, outputs = interpreted
     case = inputs[name]
-    ids_out, pos_out, bufs = outputs[name]
-    ref_ids, ref_pos, ref_bufs = run(feed_step_inputs_reference, case)
+    ids_out, pos_out, bufs, tokens = outputs[name]
+    ref_ids, ref_pos, ref_bufs, ref_tokens = run(feed_step_inputs_reference, case, name.startswith("out"))
+    assert (tokens is None) == (ref_tokens is None) == (not name.startswith("out"))
+    if tokens is not None:  # every one of the previous step's tokens, in order
+        assert torch.equal(tokens, case[4]) and torch.equal(ref_tokens, case[4]), f"seed {SEED}, {name}: tokens out"
     assert torch.equal(ids_out, ref_ids), f"seed {SEED}, {name}: ids"
     assert torch.equal(pos_out, ref_pos), f"seed {SEED}, {name}: positions"
     assert len(bufs) == len(ref_bufs) == len(case[5])
@@ -104,6 +116,8 @@ def test_feed_refuses_mismatched_shapes():
         feed_step_inputs_reference(ids.clone(), ids.clone(), ids, ids, copies=[(ids.long(), ids.clone())])
     with pytest.raises(ValueError, match="4 other copies, at most 3"):
         feed_step_inputs_reference(ids.clone(), ids.clone(), ids, ids, copies=[(ids, ids.clone())] * 4)
+    with pytest.raises(ValueError, match="tokens out: .* as many"):
+        feed_step_inputs_reference(ids.clone(), ids.clone(), ids, ids, tokens_out=(ids.long(), ids[:3].long()))
 
 
 def test_deferred_feed_fills_the_rows_the_builder_would():
@@ -135,11 +149,18 @@ def test_feed_matches_the_torch_gather_gpu():
     gen = torch.Generator().manual_seed(SEED)
     for name, spec in CASES.items():
         case = make_case(*spec, gen, device="cuda")
-        ids, pos, bufs = run(feed_step_inputs, case)
-        ref_ids, ref_pos, ref_bufs = run(feed_step_inputs_reference, case)
+        out = name.startswith("out")
+        host = torch.full((case[4].shape[0],), -7, dtype=torch.int64, pin_memory=True) if out else None
+        ids, pos, bufs, tokens = run(feed_step_inputs, case, out, host)
+        done = torch.cuda.Event()
+        done.record()
+        ref_ids, ref_pos, ref_bufs, _ = run(feed_step_inputs_reference, case)
         assert torch.equal(ids, ref_ids) and torch.equal(pos, ref_pos), f"seed {SEED}, {name}"
         assert len(bufs) == len(case[5]), f"seed {SEED}, {name}"
         assert all(torch.equal(a, b) for a, b in zip(bufs, ref_bufs)), f"seed {SEED}, {name}"
+        if out:  # written into pinned host memory by the kernel itself, there once its event is
+            done.synchronize()
+            assert tokens is host and torch.equal(host, case[4].cpu()), f"seed {SEED}, {name}: tokens out"
 
 
 if __name__ == "__main__" and is_worker(sys.argv):

@@ -1,10 +1,11 @@
 """The Triton residual add + RMSNorm (``norm_triton.add_rmsnorm``, the successor of a one-token step's norm
-launched early under PDL).
+launched early under PDL) and the embedding with the first norm (``norm_triton.embed_rmsnorm``).
 
 CPU: under Triton's interpreter (one subprocess) against ``TorchNorm.add_rmsnorm`` in float64: the new residual
-bit for bit (one rounding of an exact sum) and the normalised rows within a rounding, on odd hidden sizes. GPU
-(``-m gpu``): against FlashInfer's ``fused_add_rmsnorm`` on Qwen1.5-MoE's hidden size, eagerly and with PDL in a
-CUDA graph replayed on new inputs. Inputs are fresh random each run; the seed is in failure messages.
+bit for bit (one rounding of an exact sum) and the normalised rows within a rounding, on odd hidden sizes; the
+embedding's rows bit for bit and their norm within a rounding. GPU (``-m gpu``): against FlashInfer's
+``fused_add_rmsnorm`` (and ``F.embedding`` with FlashInfer's ``rmsnorm``) on Qwen1.5-MoE's hidden size, eagerly and
+with PDL in a CUDA graph replayed on new inputs. Inputs are fresh random each run; the seed is in failure messages.
 """
 from __future__ import annotations
 
@@ -30,12 +31,24 @@ def _worker(in_path: str, out_path: str) -> None:
     patch_for_numpy()
     from moeserve.ops.norm_triton import add_rmsnorm
     inputs = torch.load(in_path)
+    from moeserve.ops.norm_triton import embed_rmsnorm
     out = {}
-    for name, (x, res, w) in inputs.items():
+    for name, case in inputs.items():
+        if name.startswith("embed-"):
+            out[name] = embed_rmsnorm(*case, 1e-6)
+            continue
+        x, res, w = case
         x, res = x.clone(), res.clone()
         add_rmsnorm(x, res, w, 1e-6)
         out[name] = (x, res)
     torch.save(out, out_path)
+
+
+def _embed_case(t, v, h, dtype, gen):
+    """ids (int32, repeats and the last row among them), a [V, H] table, a norm weight."""
+    ids = torch.randint(0, v, (t,), generator=gen, dtype=torch.int32)
+    ids[0] = v - 1
+    return ids, (torch.randn(v, h, generator=gen) * 2).to(dtype), (1 + 0.5 * torch.randn(h, generator=gen)).to(dtype)
 
 
 def _reference(x, res, w, eps=1e-6):
@@ -50,6 +63,7 @@ def interpreted(tmp_path_factory):
     for name, (t, h, dtype) in CASES.items():
         inputs[name] = (torch.randn(t, h, generator=gen).to(dtype), (torch.randn(t, h, generator=gen) * 3).to(dtype),
                         (1 + 0.5 * torch.randn(h, generator=gen)).to(dtype))
+        inputs[f"embed-{name}"] = _embed_case(t + 2, 37, h, dtype, gen)
     return inputs, run_worker(__file__, inputs, tmp_path_factory.mktemp("norm"), SEED)
 
 
@@ -62,6 +76,27 @@ def test_add_rmsnorm_interpreter(interpreted, name):
     assert torch.equal(new_res, ref_res), f"seed {SEED}: the new residual differs"
     err = float((y.double() - ref_y).abs().max() / ref_y.abs().max())
     assert y.dtype == x.dtype and err < TOL[x.dtype], f"seed {SEED}: max relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_embed_rmsnorm_interpreter(interpreted, name):
+    inputs, outputs = interpreted
+    ids, table, w = inputs[f"embed-{name}"]
+    y, res = outputs[f"embed-{name}"]
+    rows = table[ids.long()]
+    assert torch.equal(res, rows), f"seed {SEED}: the residual is not the embedding's rows"
+    ref = rows.double() * torch.rsqrt(rows.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    err = float((y.double() - ref).abs().max() / ref.abs().max())
+    assert y.dtype == table.dtype and y.shape == rows.shape and err < TOL[table.dtype], \
+        f"seed {SEED}: max relative error {err:.3g}"
+
+
+def test_embed_rmsnorm_refuses_what_it_cannot_take():
+    from moeserve.ops.norm_triton import embed_rmsnorm
+    with pytest.raises(ValueError, match="at most 16384"):
+        embed_rmsnorm(torch.zeros(1, dtype=torch.int32), torch.zeros(2, 16385), torch.zeros(16385), 1e-6)
+    with pytest.raises(ValueError, match=r"\[T\] ids"):
+        embed_rmsnorm(torch.zeros(1, 1, dtype=torch.int32), torch.zeros(2, 8), torch.zeros(8), 1e-6)
 
 
 def test_add_rmsnorm_refuses_rows_it_cannot_hold():
@@ -107,6 +142,45 @@ def test_add_rmsnorm_against_flashinfer_in_a_cuda_graph():
         ex, eres = nx.clone(), nres.clone()
         add_rmsnorm(ex, eres, w, 1e-6)
         assert torch.equal(gx, ex) and torch.equal(gres, eres), f"seed {SEED}: graph replay differs from eager"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_embed_rmsnorm_against_flashinfer_in_a_cuda_graph():
+    """The embedding's rows bit for bit and their norm within a bf16 rounding of ``F.embedding`` + FlashInfer's
+    ``rmsnorm``, eagerly and replayed in a CUDA graph with PDL on new ids."""
+    import flashinfer.norm as fn
+    import torch.nn.functional as F
+
+    from moeserve.ops import pdl
+    from moeserve.ops.norm_triton import embed_rmsnorm
+    gen = torch.Generator(device="cuda").manual_seed(SEED)
+    v, h = 1000, 2048
+    table = (torch.randn(v, h, generator=gen, device="cuda") * 0.02).bfloat16()
+    w = (1 + 0.5 * torch.randn(h, generator=gen, device="cuda")).bfloat16()
+
+    def check(ids, y, res):
+        rows = F.embedding(ids, table)
+        ref = fn.rmsnorm(rows, w, 1e-6)
+        assert torch.equal(res, rows), f"seed {SEED}: rows differ from F.embedding's"
+        err = float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
+        assert err < TOL[torch.bfloat16], f"seed {SEED}: max relative error {err:.3g} against FlashInfer's"
+    ids = torch.randint(0, v, (3,), generator=gen, device="cuda", dtype=torch.int32)
+    check(ids, *embed_rmsnorm(ids, table, w, 1e-6))
+    gids = torch.zeros(1, dtype=torch.int32, device="cuda")
+    with pdl.enabled_as(1):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            embed_rmsnorm(gids, table, w, 1e-6)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=s):
+                gy, gres = embed_rmsnorm(gids, table, w, 1e-6)
+        torch.cuda.current_stream().wait_stream(s)
+    for _ in range(3):
+        gids.copy_(torch.randint(0, v, (1,), generator=gen, device="cuda", dtype=torch.int32))
+        graph.replay()
+        check(gids, gy, gres)
 
 
 if __name__ == "__main__" and is_worker(sys.argv):

@@ -162,14 +162,16 @@ def test_the_qkv_kernel_is_listed_only_where_attention_takes_the_projection_whol
 
 def test_the_add_norm_kernel_is_listed_for_small_steps_with_the_flashinfer_norm(tmp_path):
     """``norm_triton_max_tokens`` (default 64, bounded by the largest step) puts the Triton residual add + RMSNorm
-    in the plan, with PDL for steps up to ``pdl_max_tokens`` and without beyond; 0 or the torch norm backend leave
+    and the embedding with the first norm in the plan, with PDL for steps up to ``pdl_max_tokens`` and without beyond; 0 or the torch norm backend leave
     it out, and the fingerprint says so."""
     def norm_entries(**kw):
         plan = plan_for_arch(make_config(model="qwen1.5-moe-a2.7b", dtype="bfloat16", max_num_batched_tokens=32,
                                          max_num_seqs=32, **kw), "9.0a")
         listed = triton_aot.list_kernels(plan, *H200, tmp_path / str(sorted(kw.items())))
-        return (plan.triton_fingerprint(H200[1])["norm_triton_max_tokens"],
-                sorted(k["constants"].get("PDL") == "True" for k in listed if k["name"] == "_add_rmsnorm_kernel"))
+        pdl = {name: sorted(k["constants"].get("PDL") == "True" for k in listed if k["name"] == name)
+               for name in ("_add_rmsnorm_kernel", "_embed_rmsnorm_kernel")}
+        assert pdl["_embed_rmsnorm_kernel"] == pdl["_add_rmsnorm_kernel"], pdl  # the step's first norm, the same steps
+        return plan.triton_fingerprint(H200[1])["norm_triton_max_tokens"], pdl["_add_rmsnorm_kernel"]
 
     assert norm_entries() == (32, [True])  # the default 64, bounded by the largest step (32 tokens)
     assert norm_entries(pdl_max_tokens=8) == (32, [False, True])  # steps of 9 to 32 tokens launch it without PDL
