@@ -5,13 +5,13 @@ to the device with a single copy; the host views stay available for FlashInfer's
 gets a fresh pinned buffer from torch's caching host allocator, which does not hand a buffer out again
 before its copy has run, so a step can be built while the previous one is still on the GPU.
 
-That copy runs on a stream of its own (``SIDE_COPY``), into one of two device buffers taken in turn: a step is
-built while the one before it runs, so its copy is done by the time the GPU gets to it, and the step's stream
-waits for the copy's event instead of for a copy queued behind the previous step (on an H200 that copy started
-5.6 µs after the work before it and took 1.4 µs, between two decode steps). A buffer is written again two builds
-later, after an event recorded on the step's stream at the build between, by when every use of it is queued
-(a step's tensors are used by the work queued before the next build). Fixed layouts (the prefill graphs read
-their fields at fixed addresses) keep one buffer of their own, copied on the step's stream.
+With ``SIDE_COPY`` (off by default) that copy runs on a stream of its own, into one of two device buffers taken in
+turn: a step is built while the one before it runs, so its copy is done by the time the GPU gets to it, and the
+step's stream waits for the copy's event instead of for a copy queued behind the previous step (on an H200 that
+copy started 5.6 µs after the work before it and took 1.4 µs, between two decode steps). A buffer is written again
+two builds later, after an event recorded on the step's stream at the build between, by when every use of it is
+queued (a step's tensors are used by the work queued before the next build). Fixed layouts (the prefill graphs
+read their fields at fixed addresses) keep one buffer of their own, copied on the step's stream.
 
 A token sampled by the previous step but not yet on the host (asynchronous scheduling) is fed from that
 step's device tensor of sampled tokens: the builder writes 0 in its place and a device gather fills it (or, with
@@ -33,8 +33,9 @@ from moeserve.engine.step import ScheduledRequest
 from moeserve.ops.attention import AttentionInputs
 
 # the host-to-device copy of a step that is not of a fixed layout runs on a stream of its own, into two buffers taken
-# in turn (False: on the step's stream, into the one buffer, as before: an A/B switch, read when a builder is made)
-SIDE_COPY = True
+# in turn (False: on the step's stream, into the one buffer: an A/B switch, read when a builder is made; off until an
+# A/B on a GPU has measured it)
+SIDE_COPY = False
 
 
 @dataclass
@@ -62,14 +63,17 @@ class BatchBuilder:
         cap = 11 * max_tokens + 6 * (max_seqs + 1) + max_pages + 64
         self.pin = device.type == "cuda"
         self.dev = torch.zeros(cap, dtype=torch.int32, device=device) if self.pin else None
-        # SIDE_COPY: the copy stream, its two buffers (made at first use), the one the next build takes, and for
-        # each the event after which it may be written again
+        # SIDE_COPY: the copy stream and its two buffers (made at first use), the one the next build takes, and for
+        # each buffer the event after which it may be written again (on the step's stream; whether it was ever
+        # recorded) and the event after its last copy (on the copy stream)
         self._cap = cap
         self.side_copy = SIDE_COPY and self.pin
         self._copy_stream = None
         self._side: list[torch.Tensor | None] = [None, None]
         self._turn = 0
-        self._free: list[torch.cuda.Event | None] = [None, None]
+        self._free: list[torch.cuda.Event] = []
+        self._recorded = [False, False]
+        self._copied: list[torch.cuda.Event] = []
 
     def build(self, items: list[ScheduledRequest], pad_to: int | None = None,
               prev_tokens: torch.Tensor | None = None, fixed: bool = False, defer_feed: bool = False) -> StepBatch:
@@ -137,12 +141,16 @@ class BatchBuilder:
         step_stream = torch.cuda.current_stream(self.device)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
+            self._free = [torch.cuda.Event(), torch.cuda.Event()]
+            self._copied = [torch.cuda.Event(), torch.cuda.Event()]
         k, self._turn = self._turn, self._turn ^ 1
-        # the other buffer was written by the build before this one, whose uses are all queued by now
-        freed = torch.cuda.Event()
+        # the other buffer was written by the build before this one, whose uses are all queued by now (a stream's
+        # wait takes an event as it was when the wait was queued, so each event is recorded again and again)
+        freed = self._free[k ^ 1]
         freed.record(step_stream)
-        self._free[k ^ 1] = freed
-        buf, after = self._side[k], self._free[k]
+        after = self._free[k] if self._recorded[k] else None
+        self._recorded[k ^ 1] = True
+        buf = self._side[k]
         if buf is None or buf.numel() < n:  # new memory: its last uses on the step's stream are queued by now too
             buf = self._side[k] = torch.empty(max(self._cap, 2 * n), dtype=torch.int32, device=self.device)
             buf.record_stream(self._copy_stream)
@@ -152,9 +160,8 @@ class BatchBuilder:
             if after is not None:
                 self._copy_stream.wait_event(after)
             dev.copy_(host, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(self._copy_stream)
-        step_stream.wait_event(copied)
+            self._copied[k].record(self._copy_stream)
+        step_stream.wait_event(self._copied[k])
         return dev
 
     def _finish(self, items, fields, pad_to, prev_tokens, fixed=False, defer_feed=False) -> StepBatch:

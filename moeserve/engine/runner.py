@@ -6,9 +6,9 @@ steps up to ``prefill_graph_max_tokens`` (``moeserve.engine.piecewise``).
 A step is launched (``launch``: everything queued on the GPU, the sampled tokens copied into pinned host
 memory behind an event) and later waited for (``wait``); ``execute`` does both. Between the two the host
 is free to schedule and launch the next step, which reads the tokens it feeds from this step's device
-tensor (a request's ``inflight_row``). Where that next step replays a decode graph, its input feed copies this
-step's tokens out as well (``DEFER_TOKEN_COPY``), so no copy sits between the two steps on the GPU; a step whose
-tokens no launch took along copies them when it is waited for. FlashInfer's ``plan()`` writes the next step's schedule into a
+tensor (a request's ``inflight_row``). With ``DEFER_TOKEN_COPY`` (off by default), where that next step replays a
+decode graph, its input feed copies this step's tokens out as well, so no copy sits between the two steps on the GPU;
+a step whose tokens no launch took along copies them when it is waited for. FlashInfer's ``plan()`` writes the next step's schedule into a
 pinned buffer of the wrapper before copying it to the device, so each plan waits for the copy of the
 previous one (an event; by then long done).
 
@@ -46,8 +46,13 @@ log = logging.getLogger("moeserve")
 
 CPU_KV_BUDGET_BYTES = 1 << 30
 # a step's sampled tokens go to the host with the next step's decode-graph input feed where there is one (False: a
-# copy queued right after the step, as before: an A/B switch, read when a runner is made)
-DEFER_TOKEN_COPY = True
+# copy queued right after the step: an A/B switch, read when a runner is made; off until an A/B on a GPU has
+# measured it)
+DEFER_TOKEN_COPY = False
+# rows of pinned host memory those feeds write the tokens into, taken in turn: at most two steps are in flight (a step
+# is waited for before the one after the next is launched), and a step dropped unwaited leaves a late write in a row
+# of this runner's, never in memory handed out again
+TOKEN_ROWS = 4
 
 
 @dataclass
@@ -95,6 +100,8 @@ class ModelRunner:
         self.num_heads, self.num_kv_heads, _ = local_heads(self.arch, self.parallel)  # this rank's
         self.copies_tokens = True  # copy sampled tokens to the host (ranks other than 0 have no use for them)
         self.defer_token_copy = DEFER_TOKEN_COPY
+        self._token_rows: torch.Tensor | None = None  # [TOKEN_ROWS, max_num_seqs] int64, pinned, made at first use
+        self._token_row = 0
         self.free_at_start = 0
         # Seconds of each part of the start, in order (``startup_phases``; the engine adds its own).
         self.startup_phases: dict[str, float] = {}
@@ -506,9 +513,10 @@ class ModelRunner:
             launched.tokens = tokens
             launched.sampled_logprobs = self._score_sampled(sampling, logits, tokens)
             if self.copies_tokens and cuda:
-                launched.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-                launched.pending = self.defer_token_copy and self.graphs is not None
+                launched.host = self._deferred_row(tokens)
+                launched.pending = launched.host is not None
                 if not launched.pending:
+                    launched.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
                     launched.host.copy_(tokens, non_blocking=True)
             elif self.copies_tokens:
                 launched.host = tokens
@@ -516,6 +524,18 @@ class ModelRunner:
             self._copied(launched)
         self._last = launched
         return launched
+
+    def _deferred_row(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """The next row of pinned host memory for tokens the next decode graph's feed copies out, or None where
+        they are copied now (``defer_token_copy`` off, no decode graphs, or tokens the rows do not hold)."""
+        rows = self.cfg.max_num_seqs
+        if not (self.defer_token_copy and self.graphs is not None and tokens.dtype == torch.int64
+                and tokens.dim() == 1 and tokens.shape[0] <= rows):
+            return None
+        if self._token_rows is None:
+            self._token_rows = torch.empty((TOKEN_ROWS, rows), dtype=torch.int64, pin_memory=True)
+        k, self._token_row = self._token_row, (self._token_row + 1) % TOKEN_ROWS
+        return self._token_rows[k, :tokens.shape[0]]
 
     @staticmethod
     def _copied(launched: LaunchedStep) -> None:

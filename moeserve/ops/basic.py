@@ -13,8 +13,9 @@ from moeserve.ops.interfaces import ActivationBackend, NormBackend, RopeBackend
 # --- RMSNorm ------------------------------------------------------------------------------------
 
 # steps that run the Triton add + RMSNorm also gather their embedding rows and apply the first norm in one kernel
-# (False: F.embedding and FlashInfer's rmsnorm, as before: an A/B switch, read when the backend is made)
-EMBED_NORM = True
+# (False: F.embedding and FlashInfer's rmsnorm: an A/B switch, read when the backend is made; off until an A/B on a
+# GPU has measured it)
+EMBED_NORM = False
 
 class TorchNorm(NormBackend):
     """RMSNorm as Hugging Face computes it: in float32, cast back, then scaled by the weight."""

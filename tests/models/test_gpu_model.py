@@ -462,8 +462,8 @@ def _generate(eng, prompts, params):
 
 def test_copies_between_steps_off_the_step_stream_give_the_same_tokens(tmp_path, monkeypatch):
     """Between two steps: the step's inputs copied on a stream of their own (``batch.SIDE_COPY``) and the sampled
-    tokens copied out by the next decode graph's input feed (``runner.DEFER_TOKEN_COPY``), the defaults, against an
-    engine with both off: exactly the same tokens (greedy rows and a seeded sampled row, prefill chunks and decode
+    tokens copied out by the next decode graph's input feed (``runner.DEFER_TOKEN_COPY``), against an engine with
+    both off: exactly the same tokens (greedy rows and a seeded sampled row, prefill chunks and decode
     graphs, requests that end at different steps), with the feed seen copying tokens out for most steps and the
     steps it did not take copying them themselves."""
     from moeserve.engine import batch as batch_mod
@@ -501,7 +501,7 @@ def test_copies_between_steps_off_the_step_stream_give_the_same_tokens(tmp_path,
 
 
 def test_embedding_and_first_norm_in_one_kernel_follow_the_two(tmp_path, monkeypatch):
-    """``basic.EMBED_NORM`` (the default): steps of up to ``norm_triton_max_tokens`` tokens gather their embedding
+    """``basic.EMBED_NORM``: steps of up to ``norm_triton_max_tokens`` tokens gather their embedding
     rows and apply the first layer's norm in one Triton kernel (captured in the decode graphs, eager for small
     prefill chunks). Against the engine that runs ``F.embedding`` and FlashInfer's ``rmsnorm``: the fast path's
     tolerance (worst cosine > 0.999, at least 95% of the greedy tokens the same)."""
@@ -512,6 +512,7 @@ def test_embedding_and_first_norm_in_one_kernel_follow_the_two(tmp_path, monkeyp
     launch = basic.FlashInferNorm._triton_embed_rmsnorm
     monkeypatch.setattr(basic.FlashInferNorm, "_triton_embed_rmsnorm",
                         lambda self, ids, *a: rows.append(ids.shape[0]) or launch(self, ids, *a))
+    monkeypatch.setattr(basic, "EMBED_NORM", True)
     one = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, norm_triton_max_tokens=8)
     assert rows and max(rows) <= 8  # in the decode graphs' capture
     monkeypatch.setattr(basic, "EMBED_NORM", False)
