@@ -11,7 +11,7 @@ attention kernel started after the QKV GEMV did. Kernels launched with programma
 their predecessor ends (once each of its programs has started), so a phase is measured by ends. ``--launches``
 adds, for each pair of kernels that follow one another, when the second started after the first; ``--between``,
 what lies between two steps: from the end of a step's greedy-tokens kernel (the LM head's epilogue's last launch)
-to the start of the next step's first QKV GEMV (median over the trace's steps), and each kernel and copy there in
+to the start of the next step's first QKV GEMV (or the grid of the QKV GEMV and the attention) (median over the trace's steps), and each kernel and copy there in
 one such gap (start and duration, µs from the greedy kernel's end).
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections import defaultdict
 from moeserve.bench.step_profile import kernels_from_trace
 
 PHASES = ["norm", "qkv", "attention", "o_proj", "norm2", "routing", "moe"]
+IN_GRID = "qkv_gemv_attention_kernel"  # the QKV GEMV and the decode attention in one grid
 
 
 def layer_phases(ks: list) -> tuple[dict, dict]:
@@ -33,7 +34,9 @@ def layer_phases(ks: list) -> tuple[dict, dict]:
     # the QKV GEMV (the GEMV right before the decode attention); with linear_fuse_norm the input norm is inside it
     # (its phase is then 0, from the combine before; the first layer, with no residual yet, keeps its norm)
     gemvs = ("_gemv_kernel", "_gemv_row_kernel", "_add_norm_gemv_kernel")
-    qkv = [i for i, k in enumerate(ks[:-1]) if k[0] in gemvs and ks[i + 1][0].startswith("qkv_decode")]
+    # or the QKV GEMV and the attention in one grid (qkv_gemv_triton): its qkv phase is the grid, its attention 0
+    qkv = [i for i, k in enumerate(ks[:-1])
+           if (k[0] in gemvs and ks[i + 1][0].startswith("qkv_decode")) or k[0] == IN_GRID]
     # the input norm folded into the kernel before the QKV GEMV: the combine (moe_fuse_norm), the down GEMM that runs
     # the combine (moe_fuse_norm_in_grid), or into the GEMV itself (a branch's _add_norm_gemv_kernel)
     folded = lambda i: ks[i][0] == "_add_norm_gemv_kernel" or "rmsnorm" not in ks[i - 1][0].lower()  # noqa: E731
@@ -44,7 +47,7 @@ def layer_phases(ks: list) -> tuple[dict, dict]:
         if nxt - i > 20:  # the last layer of a step: the LM head and sampling follow
             continue
         seg = ks[i - 1: nxt if folded(nxt) else nxt - 1]  # from the norm (folded: the combine) before the QKV GEMV
-        attn = next(k for k in seg if k[0].startswith("qkv_decode"))
+        attn = next(k for k in seg if k[0].startswith("qkv_decode") or k[0] == IN_GRID)
         o = next(k for k in seg[seg.index(attn):] if k[0] in gemvs)
         n2 = next((k for k in seg if "FusedAddRMSNorm" in k[0] and k[2] > o[2]),
                   o)  # none with router_fuse_norm in the routed grid (a branch's): its phase is then 0
@@ -91,7 +94,8 @@ def between_steps(trace: dict) -> tuple[float, int, list[tuple[str, float, float
         if not name.startswith("_greedy_tokens"):
             continue
         j = next((j for j in range(i + 1, min(len(evs) - 1, i + 40))
-                  if evs[j][0] in ("_gemv_kernel", "_gemv_row_kernel") and evs[j + 1][0].startswith("qkv_decode")), None)
+                  if (evs[j][0] in ("_gemv_kernel", "_gemv_row_kernel") and evs[j + 1][0].startswith("qkv_decode"))
+                  or evs[j][0] == IN_GRID), None)
         if j is not None:
             t0 = ts + dur
             gaps.append((evs[j][1] - t0, [(n, a - t0, d) for n, a, d in evs[i + 1:j + 1]]))

@@ -51,8 +51,13 @@ class Attention(nn.Module):
         t = x.shape[0]
         attn = self.ops.attention
         if attn.fuse_qkv:  # norms, rotary embedding and KV append in one kernel
-            o = attn.forward_qkv(self.layer_idx, self.qkv_proj(x), positions, self.rope.cache,
-                                 self.q_norm if self.qk_norm else None, self.k_norm if self.qk_norm else None, self.eps)
+            qn, kn = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+            o = None
+            if self.qkv_proj.weight_scale_inv is None:  # the projection and the attention in one launch, where taken
+                o = attn.forward_qkv_gemv(self.layer_idx, x, self.qkv_proj.weight, self.qkv_proj.bias, positions,
+                                          self.rope.cache, qn, kn, self.eps)
+            if o is None:
+                o = attn.forward_qkv(self.layer_idx, self.qkv_proj(x), positions, self.rope.cache, qn, kn, self.eps)
             return self.o_proj(o.view(t, self.q_size))
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:

@@ -52,6 +52,14 @@ class AttentionBackend(ABC):
         attend -> ``[T, Hq, D]``. Only where ``fuse_qkv``."""
         raise NotImplementedError(f"attention backend {self.name!r} does not take the QKV projection whole")
 
+    def forward_qkv_gemv(self, layer: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         positions: torch.Tensor, cos_sin: torch.Tensor, q_norm: torch.Tensor | None,
+                         k_norm: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+        """:meth:`forward_qkv` of the projection ``x @ weight^T (+ bias)``, the projection and the attention in one
+        launch, or None where this backend does not run this step so (the caller projects, then
+        :meth:`forward_qkv`)."""
+        return None
+
     def init_graph(self, batch_size: int, max_pages_per_seq: int) -> None:
         raise NotImplementedError(f"attention backend {self.name!r} cannot be captured in CUDA graphs")
 

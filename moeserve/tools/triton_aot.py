@@ -322,6 +322,26 @@ def launch_decode_kernel(plan, tokens: int = 1) -> torch.Tensor:
         scale=d ** -0.5, workspace=ws)
 
 
+def launch_qkv_gemv_kernel(plan) -> torch.Tensor:
+    """The QKV GEMV and the decode attention in one grid (``moeserve.ops.attention.qkv_gemv_triton``, with its
+    ``QKV_IN_GRID``) as the engine launches it for this plan's one-token steps, on ``meta`` tensors."""
+    from moeserve.models.parallel import local_heads
+    from moeserve.ops.attention.decode_triton import DecodeWorkspace
+    from moeserve.ops.attention.qkv_gemv_triton import qkv_gemv_decode_attention
+    m, dev, dt = plan.arch, torch.device("meta"), plan.dtype
+    hq, hkv, _ = local_heads(m, plan.parallel)
+    d, h, i32 = m.head_dim, m.hidden_size, {"dtype": torch.int32, "device": dev}
+    n = (hq + 2 * hkv) * d
+    norm = (torch.ones(d, dtype=dt, device=dev), torch.ones(d, dtype=dt, device=dev)) if m.qk_norm else (None, None)
+    return qkv_gemv_decode_attention(
+        torch.zeros((1, h), dtype=dt, device=dev), torch.zeros((n, h), dtype=dt, device=dev),
+        torch.zeros(n, dtype=dt, device=dev) if m.qkv_bias else None, torch.zeros(1, **i32),
+        torch.zeros((8, m.rotary_dim), dtype=torch.float32, device=dev), hq, hkv, d,
+        torch.zeros((2, 2, plan.config.page_size, hkv, d), dtype=plan.kv_dtype, device=dev),
+        torch.zeros(1, **i32), torch.ones(1, **i32), torch.zeros(2, **i32), *norm, eps=m.rms_norm_eps,
+        scale=d ** -0.5, workspace=DecodeWorkspace(1, hq, hkv, d, dev, num_sms=132))
+
+
 def launch_layer_kernel(plan, moe_layer=None) -> None:
     """The one-token attention half in one kernel (``moeserve.ops.attention.layer_triton``) as the engine launches
     it for this plan, on ``meta`` tensors: with the router's GEMM for MoE layers whose routing kernel takes it
@@ -380,6 +400,10 @@ def launch_every_kernel(plan, on_step=None) -> None:
             for tokens in _pdl_step_sizes(fp["pdl_max_tokens"], fp["decode_max_tokens"]):
                 on_step(tokens)
                 launch_decode_kernel(plan, tokens)
+            from moeserve.ops.attention import qkv_gemv_triton
+            if qkv_gemv_triton.QKV_IN_GRID and plan.quantization == "none":  # (an A/B switch, off by default)
+                on_step(1)
+                launch_qkv_gemv_kernel(plan)
         layer = meta_moe_layer(plan) if fp["moe"] or fp["routing"] else None
         if fp.get("layer_kernel"):
             on_step(1)

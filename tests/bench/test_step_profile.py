@@ -166,6 +166,22 @@ def test_layer_phases_finds_the_one_row_gemvs_and_when_the_attention_started(tmp
         "kernel -> next kernel")[1]
 
 
+def test_layer_phases_reads_layers_whose_qkv_gemv_and_attention_are_one_grid(tmp_path):
+    """``qkv_gemv_triton.QKV_IN_GRID``: one kernel where the QKV GEMV and the decode attention were two; the qkv
+    phase is that grid, the attention phase 0, the output projection the GEMV after it."""
+    def layer(t0):  # (name, stream, start, duration, grid)
+        return [("_add_rmsnorm_kernel", 7, t0, 2, (1, 1, 1)), ("qkv_gemv_attention_kernel", 7, t0 + 2, 14, (448, 1, 1)),
+                ("_gemv_row_kernel", 7, t0 + 14, 4, (512, 1, 1)), ("_add_rmsnorm_kernel", 7, t0 + 18, 2, (1, 1, 1)),
+                ("_route_moe_kernel", 7, t0 + 20, 25, (736, 1, 1)), ("fused_moe_kernel", 7, t0 + 43, 12, (512, 1, 1)),
+                ("moe_combine_kernel", 7, t0 + 55, 3, (1, 2, 1))]
+    ks = layer(0) + layer(58) + layer(116) + [("_add_rmsnorm_kernel", 7, 174, 2, (1, 1, 1)),
+                                              ("qkv_gemv_attention_kernel", 7, 176, 14, (448, 1, 1))]
+    out = _layer_phases(tmp_path, ks)
+    assert "a layer (median) 58.00 us" in out.stdout, out.stdout
+    # (the Triton add + RMSNorm after the output projection counts in the MoE phase, as on the pages since it is)
+    assert "norm 2.00, qkv 14.00, attention 0.00, o_proj 2.00, norm2 0.00, routing 0.00, moe 40.00 us" in out.stdout
+
+
 def test_launches_are_timed_from_each_kernels_start():
     """``layer_phases.launches``: for a pair seen often enough, the next kernel's start after the kernel's start
     and before its end (negative: a gap after it)."""

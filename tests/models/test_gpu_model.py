@@ -523,3 +523,39 @@ def test_embedding_and_first_norm_in_one_kernel_follow_the_two(tmp_path, monkeyp
     r = lockstep(one, two, prompts, MAX_TOKENS, follow="fast")
     assert r.graph_steps > 0
     assert r.worst > 0.999 and r.agreement >= 0.95, (r.worst, r.agreement)
+
+
+@pytest.mark.parametrize("form", ["dot", "row"])
+@pytest.mark.parametrize("kind, shape", [
+    # 16 kv heads: a one-token step has programs enough for the Triton decode path the grid runs on
+    ("qwen3_moe", dict(GPU_QWEN3, num_attention_heads=16, num_key_value_heads=16, head_dim=64)),
+    ("qwen2_moe", dict(GPU_QWEN2, hidden_size=1024, num_attention_heads=16, num_key_value_heads=16))])
+def test_qkv_gemv_and_attention_in_one_grid_follow_the_two_kernels(tmp_path, monkeypatch, kind, shape, form):
+    """``qkv_gemv_triton.QKV_IN_GRID`` (both GEMV forms): one request at a time, so every decode step is a one-token
+    step whose layers run the QKV GEMV and the decode attention in one grid, captured in the decode graph; against
+    the same engine without it (the two kernels: the same arithmetic, worst cosine > 0.999, at least 98% of the
+    greedy tokens the same), q/k norms (qwen3_moe) and a QKV bias (qwen2_moe) included."""
+    from moeserve.config import make_config
+    from moeserve.engine.engine import LLMEngine
+    from moeserve.ops.attention import qkv_gemv_triton as qg
+    make_checkpoint(kind, tmp_path, seed=71, **shape)
+
+    def one_at_a_time():
+        return LLMEngine(make_config(model=str(tmp_path), dtype="bfloat16", device="cuda", backends=fast,
+                                     page_size=16, max_num_batched_tokens=96, num_kv_pages=48, max_model_len=384,
+                                     max_num_seqs=1, enforce_eager=False, cuda_graph_batch_sizes=[1]))
+    calls = []
+    launch = qg.qkv_gemv_decode_attention  # counted as the engine captures its decode graph
+    monkeypatch.setattr(qg, "qkv_gemv_decode_attention", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    monkeypatch.setattr(qg, "TILES", form)
+    monkeypatch.setattr(qg, "QKV_IN_GRID", True)
+    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")} | {"moe": "triton"}
+    grid = one_at_a_time()
+    assert len(calls) >= len(grid.runner.model.layers), "the decode graph should hold the grid in every layer"
+    monkeypatch.setattr(qg, "QKV_IN_GRID", False)  # (read as a graph is captured: the first engine keeps its grid)
+    apart = one_at_a_time()
+    g = torch.Generator().manual_seed(73)
+    prompts = [torch.randint(0, shape["vocab_size"], (n,), generator=g).tolist() for n in PROMPT_LENS[:4]]
+    r = lockstep(grid, apart, prompts, MAX_TOKENS, follow="fast")
+    assert r.graph_steps > 0
+    assert r.worst > 0.999 and r.agreement >= 0.98, (r.worst, r.agreement)

@@ -43,6 +43,9 @@ MAX_SPLITS = 16
 BLOCK_N = 64  # keys per iteration (four pages of 16)
 NEW_EARLY = True  # the new token's key and value loaded with q, right after the wait (False: after the cached keys)
 LOG2E = 1.4426950408889634
+# int32 words between two kv heads' counters of the QKV GEMV's rows (moeserve.ops.attention.qkv_gemv_triton): a line
+# of 128 bytes each
+ROWS_DONE_STRIDE = 32
 
 
 def num_splits(tokens: int, num_kv_heads: int, num_sms: int) -> int:
@@ -341,6 +344,8 @@ class DecodeWorkspace:
         self.part_o = torch.empty(slots * num_heads * head_dim, dtype=torch.float32, device=device)
         self.part_ml = torch.empty(slots * num_heads * 2, dtype=torch.float32, device=device)
         self.counter = torch.zeros(max_tokens * num_kv_heads, dtype=torch.int32, device=device)
+        # qkv_gemv_triton's grid (one-token steps): how many GEMV programs wrote each kv head's rows
+        self.rows_done = torch.zeros(num_kv_heads * ROWS_DONE_STRIDE, dtype=torch.int32, device=device)
         self.num_kv_heads = num_kv_heads
 
     def serves(self, tokens: int, longest: int | None = None) -> bool:

@@ -78,6 +78,7 @@ class FlashInferAttention(AttentionBackend):
         self.split: AttentionSplit | None = None  # set while the engine captures piecewise CUDA graphs
         self.decode_ws = None  # with enable_triton_decode: decode steps of few tokens in one Triton kernel
         self.decode_variant = "flashinfer"  # how this step's decode runs: "triton" (decode_ws) or "flashinfer"
+        self._qkv_gemv = None  # with enable_triton_decode: moeserve.ops.attention.qkv_gemv_triton
         self.layer_ws = None  # with enable_layer_kernel: one-token steps' attention half in one kernel
 
     def enable_triton_decode(self, max_tokens: int, rotary_dim: int, max_context: int | None = None) -> bool:
@@ -89,8 +90,10 @@ class FlashInferAttention(AttentionBackend):
         if max_tokens <= 0 or not self.fuse_qkv or not decode_kernel_takes_rotary(d, rotary_dim):
             self.decode_ws = None
             return False
+        from moeserve.ops.attention import qkv_gemv_triton
         from moeserve.ops.attention.decode_triton import DecodeWorkspace, qkv_decode_attention
         self._qkv_decode = qkv_decode_attention
+        self._qkv_gemv = qkv_gemv_triton
         self.decode_ws = DecodeWorkspace(max_tokens, self.num_heads, self.num_kv_heads, d, self.device,
                                          max_context=max_context)
         return True
@@ -181,6 +184,27 @@ class FlashInferAttention(AttentionBackend):
         if split is not None:
             return split.attend(layer, q)
         return self.wrapper.run(q, cache)
+
+    def forward_qkv_gemv(self, layer: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         positions: torch.Tensor, cos_sin: torch.Tensor, q_norm: torch.Tensor | None,
+                         k_norm: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+        """One-token steps on the Triton decode path with ``qkv_gemv_triton.QKV_IN_GRID``: the QKV GEMV and the
+        decode attention in one grid (``moeserve.ops.attention.qkv_gemv_triton``), where it takes the weight."""
+        qg, inp = self._qkv_gemv, self.inp
+        if not (qg is not None and qg.QKV_IN_GRID and self.decode_variant == "triton" and self.split is None
+                and inp is not None and inp.is_decode and x.shape[0] == 1 and x.is_cuda):
+            return None
+        if qg.unsupported_reason(x, weight, bias, self.num_heads, self.num_kv_heads, self.head_dim, cos_sin,
+                                 self.decode_ws) is not None:
+            return None
+        return self._qkv_gemv_attention(layer, x, weight, bias, positions, cos_sin, q_norm, k_norm, eps)
+
+    @eager  # a custom kernel launch: torch.compile (torch_compile: true) runs it eagerly
+    def _qkv_gemv_attention(self, layer, x, weight, bias, positions, cos_sin, q_norm, k_norm, eps):
+        inp = self.inp
+        return self._qkv_gemv.qkv_gemv_decode_attention(
+            x, weight, bias, positions, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim, self.kv.layer(layer),
+            inp.token_positions, inp.kv_indices, inp.kv_indptr, q_norm, k_norm, eps, self.scale, self.decode_ws)
 
     def run_layer(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
         """The attention of ``layer`` for the queries ``q`` (their keys and values already in the cache) into
