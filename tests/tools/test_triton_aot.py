@@ -310,6 +310,42 @@ def test_the_decode_kernel_is_listed_with_its_option_and_compiles_for_sm90(tmp_p
     assert [e["name"] for e in events] == ["qkv_decode_attention_kernel"]
 
 
+@pytest.mark.parametrize("form", ["dot", "row"])
+def test_the_qkv_gemv_attention_grid_is_listed_with_its_switch_and_compiles_for_sm90(tmp_path, monkeypatch, form):
+    """``qkv_gemv_triton.QKV_IN_GRID`` (off by default): on, the plan lists the grid of the QKV GEMV and the decode
+    attention beside the decode kernel; it compiles for the H200 at Qwen1.5-MoE's attention (MHA, a QKV bias) and
+    Qwen3-MoE's (GQA 32/4, q/k norms) in both GEMV forms, within an SM's shared memory (227 KiB)."""
+    import json
+
+    import torch
+    from triton import knobs
+    from triton.runtime.cache import FileCacheManager
+
+    from moeserve.ops.attention import qkv_gemv_triton as qg
+    monkeypatch.setattr(knobs.cache, "manager_class", FileCacheManager)  # whatever guard an earlier test left
+
+    def listed(on):
+        monkeypatch.setattr(qg, "QKV_IN_GRID", on)
+        plan = plan_for_arch(make_config(model="qwen1.5-moe-a2.7b", dtype="bfloat16", max_num_batched_tokens=64,
+                                         max_num_seqs=64), "9.0a")
+        return [k for k in triton_aot.list_kernels(plan, *H200, tmp_path / f"list-{on}")
+                if k["name"] == "qkv_gemv_attention_kernel"]
+    assert listed(False) == []
+    found = listed(True)
+    assert len(found) == 1 and found[0]["constants"]["PDL"] == "True"
+    monkeypatch.setattr(qg, "TILES", form)
+    for model in ("qwen1.5-moe-a2.7b", "qwen3-30b-a3b"):
+        plan = plan_for_arch(make_config(model=model, dtype="bfloat16", max_num_batched_tokens=2, max_num_seqs=2),
+                             "9.0a")
+        cache = tmp_path / f"{model}-{form}"
+        with triton_aot.compile_session(cache, (9, 0), triton_aot.target_triton_key(None)[0]) as events, \
+                torch.no_grad(), pdl.enabled_as(plan.pdl_max_tokens):
+            triton_aot.launch_qkv_gemv_kernel(plan)
+        assert [e["name"] for e in events] == ["qkv_gemv_attention_kernel"], model
+        metas = [json.loads(f.read_text()) for f in cache.rglob("qkv_gemv_attention_kernel.json")]
+        assert metas and all(0 < m["shared"] <= 227 * 1024 for m in metas), [m.get("shared") for m in metas]
+
+
 def test_keys_follow_the_target_python(tmp_path):
     other = "3.12" if triton_aot.python_tag() != "cp312" else "3.11"
     if triton_aot.python_tag(other) == "cp312":
@@ -458,35 +494,3 @@ def test_gpu_first_kernel_loads_find_the_launchers_built_ahead(tmp_path, monkeyp
         triton_cache._state.clear()
         triton_cache._state.update(saved)
 
-
-@pytest.mark.parametrize("form", ["dot", "row"])
-def test_the_qkv_gemv_attention_grid_is_listed_with_its_switch_and_compiles_for_sm90(tmp_path, monkeypatch, form):
-    """``qkv_gemv_triton.QKV_IN_GRID`` (off by default): on, the plan lists the grid of the QKV GEMV and the decode
-    attention beside the decode kernel; it compiles for the H200 at Qwen1.5-MoE's attention (MHA, a QKV bias) and
-    Qwen3-MoE's (GQA 32/4, q/k norms) in both GEMV forms, within an SM's shared memory (227 KiB)."""
-    import json
-
-    import torch
-
-    from moeserve.ops.attention import qkv_gemv_triton as qg
-
-    def listed(on):
-        monkeypatch.setattr(qg, "QKV_IN_GRID", on)
-        plan = plan_for_arch(make_config(model="qwen1.5-moe-a2.7b", dtype="bfloat16", max_num_batched_tokens=64,
-                                         max_num_seqs=64), "9.0a")
-        return [k for k in triton_aot.list_kernels(plan, *H200, tmp_path / f"list-{on}")
-                if k["name"] == "qkv_gemv_attention_kernel"]
-    assert listed(False) == []
-    found = listed(True)
-    assert len(found) == 1 and found[0]["constants"]["PDL"] == "True"
-    monkeypatch.setattr(qg, "TILES", form)
-    for model in ("qwen1.5-moe-a2.7b", "qwen3-30b-a3b"):
-        plan = plan_for_arch(make_config(model=model, dtype="bfloat16", max_num_batched_tokens=2, max_num_seqs=2),
-                             "9.0a")
-        cache = tmp_path / f"{model}-{form}"
-        with triton_aot.compile_session(cache, (9, 0), triton_aot.target_triton_key(None)[0]) as events, \
-                torch.no_grad(), pdl.enabled_as(plan.pdl_max_tokens):
-            triton_aot.launch_qkv_gemv_kernel(plan)
-        assert [e["name"] for e in events] == ["qkv_gemv_attention_kernel"], model
-        metas = [json.loads(f.read_text()) for f in cache.rglob("qkv_gemv_attention_kernel.json")]
-        assert metas and all(0 < m["shared"] <= 227 * 1024 for m in metas), [m.get("shared") for m in metas]
