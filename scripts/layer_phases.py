@@ -49,7 +49,9 @@ def layer_phases(ks: list) -> tuple[dict, dict]:
         seg = ks[i - 1: nxt if folded(nxt) else nxt - 1]  # from the norm (folded: the combine) before the QKV GEMV
         attn = next(k for k in seg if k[0].startswith("qkv_decode") or k[0] == IN_GRID)
         o = next(k for k in seg[seg.index(attn):] if k[0] in gemvs)
-        n2 = next((k for k in seg if "FusedAddRMSNorm" in k[0] and k[2] > o[2]),
+        # the post-attention norm: FlashInfer's, or the Triton add + RMSNorm (which earlier versions of this script
+        # left in the MoE phase: the pages from z to z5)
+        n2 = next((k for k in seg if ("FusedAddRMSNorm" in k[0] or k[0] == "_add_rmsnorm_kernel") and k[2] > o[2]),
                   o)  # none with router_fuse_norm in the routed grid (a branch's): its phase is then 0
         topk = next((k for k in seg if k[0].startswith(("_topk_route", "_router_topk"))),  # (the latter: a branch's)
                     n2)  # none with moe_route_in_grid: the routing runs in the MoE's first grid, its phase is 0
