@@ -11,8 +11,8 @@ attention kernel started after the QKV GEMV did. Kernels launched with programma
 their predecessor ends (once each of its programs has started), so a phase is measured by ends. ``--launches``
 adds, for each pair of kernels that follow one another, when the second started after the first; ``--between``,
 what lies between two steps: from the end of a step's greedy-tokens kernel (the LM head's epilogue's last launch)
-to the start of the next step's first QKV GEMV (or the grid of the QKV GEMV and the attention) (median over the trace's steps), and each kernel and copy there in
-one such gap (start and duration, µs from the greedy kernel's end).
+to the start of the next step's first QKV GEMV, or of the grid of the QKV GEMV and the attention (the median over
+the trace's steps), and each kernel and copy in one such gap (start and duration, µs from the greedy kernel's end).
 """
 from __future__ import annotations
 
@@ -135,8 +135,8 @@ def main(argv: list[str]) -> int:
                 print(f"     {a:40s} {ga:13s} -> {b:40s} {gb:13s} {n:4d} {start:+8.2f} {before_end:+8.2f}")
         if args.between:
             gap, steps, parts = between_steps(trace)
-            print(f"   between steps (median of {steps}): {gap:.2f} us from the greedy tokens' kernel's end to the next "
-                  "QKV GEMV; in that gap (start, duration):")
+            print(f"   between steps (median of {steps}): {gap:.2f} us from the greedy tokens' kernel's end to the "
+                  "next QKV GEMV; in that gap (start, duration):")
             for name, start, dur in parts:
                 print(f"     {name[:60]:60s} {start:+8.2f} {dur:7.2f}")
     return 0

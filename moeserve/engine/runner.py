@@ -7,10 +7,10 @@ A step is launched (``launch``: everything queued on the GPU, the sampled tokens
 memory behind an event) and later waited for (``wait``); ``execute`` does both. Between the two the host
 is free to schedule and launch the next step, which reads the tokens it feeds from this step's device
 tensor (a request's ``inflight_row``). With ``DEFER_TOKEN_COPY`` (off by default), where that next step replays a
-decode graph, its input feed copies this step's tokens out as well, so no copy sits between the two steps on the GPU;
-a step whose tokens no launch took along copies them when it is waited for. FlashInfer's ``plan()`` writes the next step's schedule into a
-pinned buffer of the wrapper before copying it to the device, so each plan waits for the copy of the
-previous one (an event; by then long done).
+decode graph, its input feed copies this step's tokens out as well, so no copy sits between the two steps on the
+GPU; a step whose tokens no launch took along copies them when it is waited for. FlashInfer's ``plan()`` writes the
+next step's schedule into a pinned buffer of the wrapper before copying it to the device, so each plan waits for
+the copy of the previous one (an event; by then long done).
 
 The runner sees plain data only (``moeserve.engine.step``); the sampler keeps each seeded request's
 random stream until the request is listed in a step's ``finished_request_ids``.

@@ -17,6 +17,7 @@ from moeserve.ops.interfaces import ActivationBackend, NormBackend, RopeBackend
 # GPU has measured it)
 EMBED_NORM = False
 
+
 class TorchNorm(NormBackend):
     """RMSNorm as Hugging Face computes it: in float32, cast back, then scaled by the weight."""
 

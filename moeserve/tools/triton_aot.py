@@ -381,10 +381,11 @@ def _pdl_step_sizes(pdl_bound: int, largest: int) -> list[int]:
 
 
 def launch_every_kernel(plan, on_step=None) -> None:
-    """Run, on ``meta`` tensors, every Triton launch the plan can make: the attention's QKV kernel, the MoE
-    layer (router, routing, fused MoE, combine) for each step size from 1 to the largest, the residual add +
-    RMSNorm of small steps and their embedding with the first norm, the decode graphs' input feed, the GEMV for each linear and small step, and the decode
-    graphs' LM head with the greedy tokens in its epilogue. Inside
+    """Run, on ``meta`` tensors, every Triton launch the plan can make: the attention's QKV kernel (and the QKV
+    GEMV with the decode attention in one grid, where ``qkv_gemv_triton.QKV_IN_GRID`` is on), the MoE layer
+    (router, routing, fused MoE, combine) for each step size from 1 to the largest, the residual add + RMSNorm of
+    small steps and their embedding with the first norm, the decode graphs' input feed, the GEMV for each linear and
+    small step, and the decode graphs' LM head with the greedy tokens in its epilogue. Inside
     ``compile_session`` each launch compiles (or lists) its kernel instead of running. ``on_step(t)`` is called
     before the step of ``t`` tokens, ``on_step(None)`` before the input feed and the GEMVs."""
     from moeserve.ops import pdl
