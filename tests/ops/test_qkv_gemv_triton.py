@@ -5,7 +5,7 @@ so every split finds its head's rows written), on a GPU (``-m gpu``) in bf16 at 
 eagerly and replayed in a CUDA graph with PDL.
 
 Both GEMV forms (``TILES``: ``"dot"``, ``"row"``) run; the split count is varied through the workspace's SM count
-and capped (``MAX_SPLITS_IN_GRID``);
+and capped (``MAX_SPLITS_IN_GRID``), and the grid runs with ``FOUR_PER_SM`` too;
 each call runs twice on one workspace (its counters must be back at zero). The whole cache is compared, so a write
 to a wrong slot fails too. Inputs are fresh random each run; the seed is in failure messages.
 """
@@ -79,6 +79,12 @@ def _interpreter_worker(in_path: str, out_path: str) -> None:
                                               eps=1e-6, scale=scale, workspace=ws, spin_limit=100)
         capped = (capped, capped_cache, ws.counter.clone(), ws.rows_done.clone())
         qg.MAX_SPLITS_IN_GRID = None
+        qg.FOUR_PER_SM = True  # (a launch option and fewer GEMV stages: the same results)
+        four_cache = dargs[6].clone()
+        four = qg.qkv_gemv_decode_attention(x, w, b, dargs[1], dargs[2], hq, hkv, d, four_cache, *dargs[7:12],
+                                            eps=1e-6, scale=scale, workspace=ws, spin_limit=100)
+        qg.FOUR_PER_SM = False
+        runs.append((four, runs[0][1], four_cache, ws.counter.clone(), ws.rows_done.clone()))
         tiles = {k: v for k, v in qg.tiles().items() if k != "row" or v}
         apart_cache = dargs[6].clone()
         apart = _two_kernels(x, w, b, [None, dargs[1], dargs[2], hq, hkv, d, apart_cache, *dargs[7:]], scale, ws,

@@ -314,7 +314,8 @@ def test_the_decode_kernel_is_listed_with_its_option_and_compiles_for_sm90(tmp_p
 def test_the_qkv_gemv_attention_grid_is_listed_with_its_switch_and_compiles_for_sm90(tmp_path, monkeypatch, form):
     """``qkv_gemv_triton.QKV_IN_GRID`` (off by default): on, the plan lists the grid of the QKV GEMV and the decode
     attention beside the decode kernel; it compiles for the H200 at Qwen1.5-MoE's attention (MHA, a QKV bias) and
-    Qwen3-MoE's (GQA 32/4, q/k norms) in both GEMV forms, within an SM's shared memory (227 KiB)."""
+    Qwen3-MoE's (GQA 32/4, q/k norms) in both GEMV forms, within an SM's shared memory (227 KiB); with
+    ``FOUR_PER_SM``, at most 128 registers a thread and a quarter of it."""
     import json
 
     import torch
@@ -344,6 +345,16 @@ def test_the_qkv_gemv_attention_grid_is_listed_with_its_switch_and_compiles_for_
         assert [e["name"] for e in events] == ["qkv_gemv_attention_kernel"], model
         metas = [json.loads(f.read_text()) for f in cache.rglob("qkv_gemv_attention_kernel.json")]
         assert metas and all(0 < m["shared"] <= 227 * 1024 for m in metas), [m.get("shared") for m in metas]
+        # FOUR_PER_SM: at most 128 registers a thread and a quarter of an SM's shared memory
+        monkeypatch.setattr(qg, "FOUR_PER_SM", True)
+        four = tmp_path / f"{model}-{form}-four"
+        with triton_aot.compile_session(four, (9, 0), triton_aot.target_triton_key(None)[0]) as events, \
+                torch.no_grad(), pdl.enabled_as(plan.pdl_max_tokens):
+            triton_aot.launch_qkv_gemv_kernel(plan)
+        monkeypatch.setattr(qg, "FOUR_PER_SM", False)
+        metas = [json.loads(f.read_text()) for f in four.rglob("qkv_gemv_attention_kernel.json")]
+        assert metas and all(m["maxnreg"] == 128 and 0 < m["shared"] <= 227 * 1024 // 4 for m in metas), \
+            [(m.get("maxnreg"), m.get("shared")) for m in metas]
 
 
 def test_keys_follow_the_target_python(tmp_path):

@@ -45,6 +45,10 @@ SPIN_LIMIT = 1 << 22  # reads of a counter before a split ends the kernel (each 
 # registers a thread and 4 warps three of the grid's programs fit an SM: 396 on an H200 for the GEMV's 192 and 16
 # heads' 256 splits, so that the last 52 start only as GEMV programs end; 8 splits fit them all (an A/B knob)
 MAX_SPLITS_IN_GRID = None
+# ... or four programs an SM (an A/B knob): at most 128 registers a thread (ptxas spills 4 bytes in the "dot" form,
+# none in "row") and at most three stages of the GEMV's loop (48 KiB of shared memory in the "dot" form): 528 on an
+# H200, every program of the grid at once
+FOUR_PER_SM = False
 # the kernel's pipelining, which the attention's loop over its keys takes (decode_triton's launch: 2); the GEMV's loop
 # takes its tiles' own (tl.range), so that the two loops' buffers together stay within an SM's shared memory
 ATTENTION_STAGES = 2
@@ -190,8 +194,11 @@ def qkv_gemv_attention_kernel(
 
 
 def tiles() -> dict:
-    """The GEMV's tiles in the grid, as :data:`TILES` says."""
-    return {**(ROW_TILES if TILES == "row" else DOT_TILES), "row": TILES == "row"}
+    """The GEMV's tiles in the grid, as :data:`TILES` says (at most three stages with :data:`FOUR_PER_SM`)."""
+    c = {**(ROW_TILES if TILES == "row" else DOT_TILES), "row": TILES == "row"}
+    if FOUR_PER_SM:
+        c["num_stages"] = min(3, c["num_stages"])
+    return c
 
 
 def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
@@ -259,5 +266,5 @@ def qkv_gemv_decode_attention(x: torch.Tensor, weight: torch.Tensor, bias: torch
         REST_PAD=max(16, p2(head_dim - rot)), QK_NORM=norm, BLOCK=64, SPLIT_PAD=MAX_SPLITS, G_MERGE=p2(group),
         HAS_BIAS=bias is not None, ROW=c["row"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
         EVEN_K=k % c["BLOCK_K"] == 0, STAGES=c["num_stages"], STRIDE=ROWS_DONE_STRIDE, num_warps=c["num_warps"],
-        num_stages=ATTENTION_STAGES, **launch_kwargs(1))
+        num_stages=ATTENTION_STAGES, **({"maxnreg": 128} if FOUR_PER_SM else {}), **launch_kwargs(1))
     return out
