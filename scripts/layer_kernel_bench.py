@@ -2,14 +2,17 @@
 with its own weights and KV cache, more than the L2 caches hold) back to back in one CUDA graph with programmatic
 dependent launch, as the persistent kernel (``moeserve.ops.attention.layer_triton``) and as the kernels it
 replaces (FlashInfer's fused add + RMSNorm, the GEMV, the one-kernel Triton decode attention, the GEMV, add +
-RMSNorm, the router's split-K partial sums). Prints microseconds per layer and the persistent kernel's
+RMSNorm, the router's split-K partial sums), and as those kernels with the QKV GEMV and the decode attention in one
+grid (``moeserve.ops.attention.qkv_gemv_triton``), once for each ``--grid`` setting of its knobs (JSON objects of
+its module constants; by default its form, 8 splits at most, four programs an SM, the one-row GEMV). Prints
+microseconds per layer and the persistent kernel's
 registers, spills and shared memory; for each ``--variant`` of the kernel's tiles and options (JSON objects
 over ``layer_triton.layer_config``), its time and where it goes: each program's cycle counter at the phase
 boundaries (its wait for the kernel before, each phase's work, each barrier), read from the last replay and
 converted at ``--sm-mhz``.
 
     python scripts/layer_kernel_bench.py [--context 560] [--layers 24] [--replays 50] [--variant JSON ...]
-        [--out FILE.json]
+        [--grid JSON ...] [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -26,11 +29,14 @@ def main() -> None:
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--variant", action="append", default=[], help='e.g. {"num_warps": 8} or {"O_PRE": 0}')
     p.add_argument("--sm-mhz", type=float, default=1980.0, help="SM clock for cycles to microseconds")
+    p.add_argument("--grid", action="append", default=[],
+                   help='qkv_gemv_triton constants, e.g. {"TILES": "row"} (default: {}, 8 splits, FOUR_PER_SM, row)')
     p.add_argument("--out")
     a = p.parse_args()
     import flashinfer
 
     from moeserve.ops import pdl
+    from moeserve.ops.attention import qkv_gemv_triton as qg
     from moeserve.ops.attention.decode_triton import DecodeWorkspace, qkv_decode_attention
     from moeserve.ops.attention.layer_triton import (LayerWorkspace, attention_half, attention_half_kernel,
                                                      layer_config)
@@ -79,6 +85,26 @@ def main() -> None:
             flashinfer.fused_add_rmsnorm(y, residual, L["n2"], eps)
             router_partials(y, L["router"])
 
+    def unfused_grid(knobs):
+        """The kernels of ``unfused``, the QKV GEMV and the attention as one grid with ``knobs`` set (they are read as
+        the grid launches: at the warm-up and the capture)."""
+        def run():
+            saved = {k: getattr(qg, k) for k in knobs}
+            for k, v in knobs.items():
+                setattr(qg, k, v)
+            try:
+                for L in layers:
+                    flashinfer.fused_add_rmsnorm(hidden, residual, L["n1"], eps)
+                    o = qg.qkv_gemv_decode_attention(hidden, L["wqkv"], L["b"], pos, cos_sin, hq, hkv, d, L["cache"],
+                                                     pos, indices, indptr, None, None, eps, scale, dws)
+                    y = gemv(o.view(1, -1), L["wo"])
+                    flashinfer.fused_add_rmsnorm(y, residual, L["n2"], eps)
+                    router_partials(y, L["router"])
+            finally:
+                for k, v in saved.items():
+                    setattr(qg, k, v)
+        return run
+
     def time_graph(fn):
         fn()
         torch.cuda.synchronize()
@@ -108,6 +134,10 @@ def main() -> None:
     variants = [("default", {})] + [(v, json.loads(v)) for v in a.variant]
     with pdl.enabled_as(64):
         res["kernel by kernel"] = time_graph(unfused)
+        grids = [json.loads(g) for g in a.grid] or [{}, {"MAX_SPLITS_IN_GRID": 8}, {"FOUR_PER_SM": True},
+                                                     {"TILES": "row"}]
+        for knobs in grids:
+            res[f"QKV + attention grid {json.dumps(knobs)}"] = time_graph(unfused_grid(knobs))
         for name, extra in variants:
             cfg = {**base, **extra}
             res[f"persistent {name}"] = time_graph(fused(cfg))
