@@ -64,15 +64,14 @@ class BatchBuilder:
         self.pin = device.type == "cuda"
         self.dev = torch.zeros(cap, dtype=torch.int32, device=device) if self.pin else None
         # SIDE_COPY: the copy stream and its two buffers (made at first use), the one the next build takes, and for
-        # each buffer the event after which it may be written again (on the step's stream; whether it was ever
-        # recorded) and the event after its last copy (on the copy stream)
+        # each buffer the event after which it may be written again (on the step's stream) and the event after its
+        # last copy (on the copy stream)
         self._cap = cap
         self.side_copy = SIDE_COPY and self.pin
         self._copy_stream = None
         self._side: list[torch.Tensor | None] = [None, None]
         self._turn = 0
         self._free: list[torch.cuda.Event] = []
-        self._recorded = [False, False]
         self._copied: list[torch.cuda.Event] = []
 
     def build(self, items: list[ScheduledRequest], pad_to: int | None = None,
@@ -142,14 +141,15 @@ class BatchBuilder:
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
             self._free = [torch.cuda.Event(), torch.cuda.Event()]
+            for e in self._free:  # before any build: free once the work queued so far is done
+                e.record(step_stream)
             self._copied = [torch.cuda.Event(), torch.cuda.Event()]
         k, self._turn = self._turn, self._turn ^ 1
         # the other buffer was written by the build before this one, whose uses are all queued by now (a stream's
         # wait takes an event as it was when the wait was queued, so each event is recorded again and again)
         freed = self._free[k ^ 1]
         freed.record(step_stream)
-        after = self._free[k] if self._recorded[k] else None
-        self._recorded[k ^ 1] = True
+        after = self._free[k]
         buf = self._side[k]
         if buf is None or buf.numel() < n:  # new memory: its last uses on the step's stream are queued by now too
             buf = self._side[k] = torch.empty(max(self._cap, 2 * n), dtype=torch.int32, device=self.device)
@@ -157,8 +157,7 @@ class BatchBuilder:
             after = freed
         dev = buf[:n]
         with torch.cuda.stream(self._copy_stream):
-            if after is not None:
-                self._copy_stream.wait_event(after)
+            self._copy_stream.wait_event(after)
             dev.copy_(host, non_blocking=True)
             self._copied[k].record(self._copy_stream)
         step_stream.wait_event(self._copied[k])
