@@ -92,6 +92,18 @@ def test_piecewise_graphs_follow_eager_prefill(tmp_path, kind, shape):
         pw.replay(16, batch)
 
 
+def _generate(eng, prompts, params):
+    """Every request's tokens, the engine stepped until none is left (its pages all free again)."""
+    seqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        assert steps < 1000
+    assert eng.pool.num_free == eng.pool.capacity
+    return [list(s.output_token_ids) for s in seqs]
+
+
 def test_async_scheduling_gives_the_tokens_of_sync_steps_on_the_gpu(tmp_path):
     """The overlapped engine (step k+1 launched, CUDA graph included, before step k's tokens are read back)
     produces exactly the tokens of the synchronous one: greedy rows and a seeded sampled row."""
@@ -105,15 +117,8 @@ def test_async_scheduling_gives_the_tokens_of_sync_steps_on_the_gpu(tmp_path):
     outs = {}
     for async_scheduling in (False, True):
         eng = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, async_scheduling=async_scheduling)
-        seqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-        steps = 0
-        while eng.has_unfinished():
-            eng.step()
-            steps += 1
-            assert steps < 1000
-        outs[async_scheduling] = [list(s.output_token_ids) for s in seqs]
-        assert eng.pool.num_free == eng.pool.capacity
-        del eng, seqs
+        outs[async_scheduling] = _generate(eng, prompts, params)
+        del eng
         torch.cuda.empty_cache()
     assert [len(o) for o in outs[True]] == [sp.max_tokens for sp in params]
     assert outs[True] == outs[False]
@@ -446,18 +451,6 @@ def test_one_token_seams_follow_an_engine_without_them(tmp_path, monkeypatch):
     r = lockstep(folded, plain, prompts, MAX_TOKENS, follow="fast")
     assert r.graph_steps > 0
     assert r.worst > 0.999 and r.agreement >= 0.95, (r.worst, r.agreement)
-
-
-def _generate(eng, prompts, params):
-    """Every request's tokens, the engine stepped (asynchronously, its default) until none is left."""
-    seqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-    steps = 0
-    while eng.has_unfinished():
-        eng.step()
-        steps += 1
-        assert steps < 1000
-    assert eng.pool.num_free == eng.pool.capacity
-    return [list(s.output_token_ids) for s in seqs]
 
 
 def test_copies_between_steps_off_the_step_stream_give_the_same_tokens(tmp_path, monkeypatch):

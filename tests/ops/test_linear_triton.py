@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from graph_capture import capture_with_pdl  # noqa: E402
 from triton_interpreter import is_worker, patch_for_numpy, run_worker  # noqa: E402
 
 SEED = int(os.environ.get("MOESERVE_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
@@ -180,7 +181,8 @@ def test_one_row_tiles_preload_their_weights_and_the_dot_tiles_do_not(monkeypatc
         assert "preload" not in linear_triton.gemv_tiles(m, n, 2048), (m, n)
     monkeypatch.setattr(linear_triton, "ROW_PRELOAD", False)
     assert "preload" not in linear_triton.gemv_tiles(1, 2048, 2048)
-    monkeypatch.setattr(linear_triton, "GEMV_PRELOAD", True)  # the A/B switch: the QKV projection's tiles, not the LM head's
+    # the A/B switch: the QKV projection's tiles, not the LM head's
+    monkeypatch.setattr(linear_triton, "GEMV_PRELOAD", True)
     assert linear_triton.gemv_tiles(1, 6144, 2048).get("preload") and "preload" not in linear_triton.gemv_tiles(
         1, 151936, 2048)
 
@@ -246,7 +248,6 @@ def test_lm_head_argmax_in_a_cuda_graph_matches_torch(m):
     """The backend's ``linear_argmax`` on the Qwen1.5-MoE LM head (151,936 x 2048) after a PDL producer (the Triton
     add + RMSNorm), captured once and replayed on new inputs: the logits are :func:`gemv`'s bit for bit and the
     tokens torch's argmax of them, also when the largest logit is tied across programs (the first row wins)."""
-    from moeserve.ops import pdl
     from moeserve.ops.linear_triton import TritonLinear, gemv
     from moeserve.ops.norm_triton import add_rmsnorm
     n, k, _ = QWEN15_LINEARS["lm_head"]
@@ -255,15 +256,9 @@ def test_lm_head_argmax_in_a_cuda_graph_matches_torch(m):
     w = (torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).bfloat16()
     gamma = torch.rand(k, generator=gen, device="cuda").bfloat16() + 0.5
     x, res = (torch.randn(m, k, generator=gen, device="cuda").bfloat16() for _ in range(2))
-    with pdl.enabled_as(m):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            lin.linear_argmax(add_rmsnorm(x.clone(), res.clone(), gamma, 1e-6)[0], w)  # compile outside the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=s):
-                logits, tokens = lin.linear_argmax(add_rmsnorm(x, res, gamma, 1e-6)[0], w)
-        torch.cuda.current_stream().wait_stream(s)
+    graph, (logits, tokens) = capture_with_pdl(  # (loaded outside the graph on copies of the inputs)
+        lambda: lin.linear_argmax(add_rmsnorm(x, res, gamma, 1e-6)[0], w), m,
+        warm=lambda: lin.linear_argmax(add_rmsnorm(x.clone(), res.clone(), gamma, 1e-6)[0], w))
     for replay in range(4):
         x0, r0 = (torch.randn(m, k, generator=gen, device="cuda").bfloat16() for _ in range(2))
         normed, _ = add_rmsnorm(x0.clone(), r0.clone(), gamma, 1e-6)
@@ -291,7 +286,6 @@ def test_preloading_gemv_after_a_pdl_producer_in_a_cuda_graph(name, m):
     output projection's one row, :func:`_gemv_kernel` otherwise) right after a kernel that writes its input and
     lets it start early (the Triton add + RMSNorm), in a CUDA graph replayed on new inputs: bit for bit the same
     GEMV without the preload run eagerly on the norm's output, and float32's result within a rounding."""
-    from moeserve.ops import pdl
     from moeserve.ops.linear_triton import gemv, gemv_tiles
     from moeserve.ops.norm_triton import add_rmsnorm
     n, k, bias = QWEN15_LINEARS[name]
@@ -302,15 +296,9 @@ def test_preloading_gemv_after_a_pdl_producer_in_a_cuda_graph(name, m):
     b = torch.randn(n, generator=gen, device="cuda").bfloat16() if bias else None
     gamma = torch.rand(k, generator=gen, device="cuda").bfloat16() + 0.5
     x, res = (torch.randn(m, k, generator=gen, device="cuda").bfloat16() for _ in range(2))
-    with pdl.enabled_as(m):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            gemv(add_rmsnorm(x.clone(), res.clone(), gamma, 1e-6)[0], w, b, tiles)  # compile outside the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=s):
-                out = gemv(add_rmsnorm(x, res, gamma, 1e-6)[0], w, b, tiles)
-        torch.cuda.current_stream().wait_stream(s)
+    graph, out = capture_with_pdl(  # (loaded outside the graph on copies of the inputs)
+        lambda: gemv(add_rmsnorm(x, res, gamma, 1e-6)[0], w, b, tiles), m,
+        warm=lambda: gemv(add_rmsnorm(x.clone(), res.clone(), gamma, 1e-6)[0], w, b, tiles))
     for _ in range(3):
         x0, r0 = (torch.randn(m, k, generator=gen, device="cuda").bfloat16() for _ in range(2))
         x.copy_(x0)

@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from graph_capture import capture_with_pdl  # noqa: E402
 from triton_interpreter import is_worker, patch_for_numpy, run_worker  # noqa: E402
 
 SEED = int(os.environ.get("MOESERVE_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
@@ -110,7 +111,6 @@ def test_add_rmsnorm_refuses_rows_it_cannot_hold():
 def test_add_rmsnorm_against_flashinfer_in_a_cuda_graph():
     import flashinfer.norm as fn
 
-    from moeserve.ops import pdl
     from moeserve.ops.norm_triton import add_rmsnorm
     gen = torch.Generator(device="cuda").manual_seed(SEED)
     h = 2048
@@ -124,15 +124,7 @@ def test_add_rmsnorm_against_flashinfer_in_a_cuda_graph():
     assert torch.equal(tres, fres), f"seed {SEED}: residual differs from FlashInfer's"
     assert float((tx.float() - fx.float()).abs().max() / fx.float().abs().max()) < TOL[torch.bfloat16]
     gx, gres = torch.empty_like(x), torch.empty_like(res)
-    with pdl.enabled_as(1):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            add_rmsnorm(gx, gres, w, 1e-6)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=s):
-                add_rmsnorm(gx, gres, w, 1e-6)
-        torch.cuda.current_stream().wait_stream(s)
+    graph, _ = capture_with_pdl(lambda: add_rmsnorm(gx, gres, w, 1e-6))
     for _ in range(3):
         nx = torch.randn(1, h, generator=gen, device="cuda").bfloat16()
         nres = torch.randn(1, h, generator=gen, device="cuda").bfloat16()
@@ -152,7 +144,6 @@ def test_embed_rmsnorm_against_flashinfer_in_a_cuda_graph():
     import flashinfer.norm as fn
     import torch.nn.functional as F
 
-    from moeserve.ops import pdl
     from moeserve.ops.norm_triton import embed_rmsnorm
     gen = torch.Generator(device="cuda").manual_seed(SEED)
     v, h = 1000, 2048
@@ -168,15 +159,7 @@ def test_embed_rmsnorm_against_flashinfer_in_a_cuda_graph():
     ids = torch.randint(0, v, (3,), generator=gen, device="cuda", dtype=torch.int32)
     check(ids, *embed_rmsnorm(ids, table, w, 1e-6))
     gids = torch.zeros(1, dtype=torch.int32, device="cuda")
-    with pdl.enabled_as(1):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            embed_rmsnorm(gids, table, w, 1e-6)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=s):
-                gy, gres = embed_rmsnorm(gids, table, w, 1e-6)
-        torch.cuda.current_stream().wait_stream(s)
+    graph, (gy, gres) = capture_with_pdl(lambda: embed_rmsnorm(gids, table, w, 1e-6))
     for _ in range(3):
         gids.copy_(torch.randint(0, v, (1,), generator=gen, device="cuda", dtype=torch.int32))
         graph.replay()

@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from graph_capture import capture_with_pdl  # noqa: E402
 from test_qkv_triton import make_case  # noqa: E402
 from triton_interpreter import is_worker, patch_for_numpy, run_worker  # noqa: E402
 
@@ -171,7 +172,6 @@ def test_one_grid_follows_the_two_kernels_gpu(monkeypatch, form):
     projection within one bf16 rounding, the output within bf16 tolerance, the same cache slots written) and the
     torch reference; then captured in a CUDA graph with PDL and replayed on new inputs and positions, each replay
     against the two kernels run eagerly, the counters at zero after each."""
-    from moeserve.ops import pdl
     from moeserve.ops.attention import qkv_gemv_triton as qg
     from moeserve.ops.attention.decode_triton import DecodeWorkspace, decode_attention_reference
     from moeserve.ops.basic import rope_cos_sin_cache
@@ -207,17 +207,8 @@ def test_one_grid_follows_the_two_kernels_gpu(monkeypatch, form):
 
     gx, gpos, gkv = x.clone(), dargs[1].clone(), dargs[7].clone()
     gcache = dargs[6].clone()
-    with pdl.enabled_as(1):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            qg.qkv_gemv_decode_attention(gx, w, b, gpos, dargs[2], hq, hkv, d, gcache, gkv, *dargs[8:12], eps=1e-6,
-                                         scale=scale, workspace=ws, qkv=qkv)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=s):
-                go = qg.qkv_gemv_decode_attention(gx, w, b, gpos, dargs[2], hq, hkv, d, gcache, gkv, *dargs[8:12],
-                                                  eps=1e-6, scale=scale, workspace=ws, qkv=qkv)
-        torch.cuda.current_stream().wait_stream(s)
+    graph, go = capture_with_pdl(lambda: qg.qkv_gemv_decode_attention(
+        gx, w, b, gpos, dargs[2], hq, hkv, d, gcache, gkv, *dargs[8:12], eps=1e-6, scale=scale, workspace=ws, qkv=qkv))
     for trial, p in enumerate([600, 17, 1]):
         gx.copy_(torch.randn(1, w.shape[1], generator=gen).bfloat16())
         gpos.fill_(p)
