@@ -66,26 +66,26 @@ def _interpreter_worker(in_path: str, out_path: str) -> None:
         qg.TILES = form
         hq, hkv, d = dargs[3], dargs[4], dargs[5]
         ws = DecodeWorkspace(8, hq, hkv, d, torch.device("cpu"), num_sms=sms)
-        runs = []
-        for _ in range(2):  # twice on one workspace: the counters must be back at zero in between
+
+        def grid(qkv=None):
+            """The grid on a fresh copy of the cache: its output, the cache, and the workspace's counters after it
+            (a small spin limit: a head whose counter never filled would end the kernel at once, not hang)."""
             cache = dargs[6].clone()
-            qkv = torch.full((1, w.shape[0]), float("nan"), dtype=w.dtype)
-            # (a small spin limit: a head whose counter never filled would end the kernel at once, not hang)
             o = qg.qkv_gemv_decode_attention(x, w, b, dargs[1], dargs[2], hq, hkv, d, cache, *dargs[7:12],
                                              eps=1e-6, scale=scale, workspace=ws, qkv=qkv, spin_limit=100)
-            runs.append((o, qkv, cache, ws.counter.clone(), ws.rows_done.clone()))
+            return o, cache, ws.counter.clone(), ws.rows_done.clone()
+        runs = []
+        for _ in range(2):  # twice on one workspace: the counters must be back at zero in between
+            qkv = torch.full((1, w.shape[0]), float("nan"), dtype=w.dtype)
+            o, cache, counter, rows_done = grid(qkv)
+            runs.append((o, qkv, cache, counter, rows_done))
         qg.MAX_SPLITS_IN_GRID = 3  # fewer splits than the workspace's SMs give (where they give more)
-        capped_cache = dargs[6].clone()
-        capped = qg.qkv_gemv_decode_attention(x, w, b, dargs[1], dargs[2], hq, hkv, d, capped_cache, *dargs[7:12],
-                                              eps=1e-6, scale=scale, workspace=ws, spin_limit=100)
-        capped = (capped, capped_cache, ws.counter.clone(), ws.rows_done.clone())
+        capped = grid()
         qg.MAX_SPLITS_IN_GRID = None
         qg.FOUR_PER_SM = True  # (a launch option and fewer GEMV stages: the same results)
-        four_cache = dargs[6].clone()
-        four = qg.qkv_gemv_decode_attention(x, w, b, dargs[1], dargs[2], hq, hkv, d, four_cache, *dargs[7:12],
-                                            eps=1e-6, scale=scale, workspace=ws, spin_limit=100)
+        four, four_cache, counter, rows_done = grid()
         qg.FOUR_PER_SM = False
-        runs.append((four, runs[0][1], four_cache, ws.counter.clone(), ws.rows_done.clone()))
+        runs.append((four, runs[0][1], four_cache, counter, rows_done))
         tiles = {k: v for k, v in qg.tiles().items() if k != "row" or v}
         apart_cache = dargs[6].clone()
         apart = _two_kernels(x, w, b, [None, dargs[1], dargs[2], hq, hkv, d, apart_cache, *dargs[7:]], scale, ws,
