@@ -7,6 +7,8 @@ logits of the rows that sample, and are fed the same greedy tokens: the referenc
 teacher forcing by the reference) or the fast engine's (``follow="fast"``). Every sampled row is compared.
 
 ``run_recording_logits``: one engine driven step by step, keeping every sampled row's logits.
+
+``random_prompts``: the prompts such comparisons feed, drawn from a seeded generator.
 """
 from __future__ import annotations
 
@@ -15,6 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.engine.sampling_params import SamplingParams
+
+
+def random_prompts(vocab: int, seed: int, lens) -> list[list[int]]:
+    """One prompt of each length in ``lens``, its token ids drawn uniformly below ``vocab`` from a generator seeded
+    with ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
 
 @dataclass

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_models import make_checkpoint
-from lockstep import lockstep
+from lockstep import lockstep, random_prompts
 from moeserve.config import make_config
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.sampling_params import SamplingParams
@@ -39,8 +39,7 @@ def test_fp8_engine_close_to_float32(tmp_path, kind, shape, seed):
     assert fp8.runner.backend_names["linear"] == "torch" and fp8.runner.backend_names["moe"] == "torch"
     # FP8 weights take about a quarter of the float32 bytes of the layers they replace
     assert fp8.runner.weights_bytes < ref.runner.weights_bytes
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 17, 40, 9)]
+    prompts = random_prompts(256, seed, (3, 17, 40, 9))
     r = lockstep(fp8, ref, prompts, max_tokens=12)
     assert r.cos.median() >= MEDIAN_COS and r.cos.mean() >= MEAN_COS, r.cos
     assert r.agreement >= AGREEMENT

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_models import make_checkpoint
-from lockstep import lockstep
+from lockstep import lockstep, random_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
@@ -35,11 +35,6 @@ def engine(path, moe: str, eager: bool, **options):
     return LLMEngine(cfg)
 
 
-def prompts(vocab: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
 @pytest.mark.parametrize("kind, shape, moe, ep, dispatch", [
     ("qwen3_moe", GPU_QWEN3, "triton", False, "auto"),
     ("qwen3_moe", GPU_QWEN3, "triton", True, "allreduce"),
@@ -57,7 +52,7 @@ def test_two_gpus_match_one(tmp_path, kind, shape, moe, ep, dispatch):
                  expert_parallel_dispatch=dispatch)
     try:
         assert two.runner.graphs is not None, "decode steps should be captured with their collectives"
-        r = lockstep(two, one, prompts(shape["vocab_size"], 4), MAX_TOKENS, follow="fast")
+        r = lockstep(two, one, random_prompts(shape["vocab_size"], 4, PROMPT_LENS), MAX_TOKENS, follow="fast")
         assert r.graph_steps > 0
         assert r.worst > 0.995, f"worst cosine {r.worst:.5f}"
         assert r.agreement >= 0.95, f"argmax agreement {r.agreement:.3f}"
@@ -75,7 +70,7 @@ def test_graph_decode_with_collectives_matches_eager(tmp_path):
         eng = engine(tmp_path, "triton", eager=eager, tensor_parallel_size=2, enable_expert_parallel=True)
         try:
             params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-            seqs = [eng.add_request(p, params) for p in prompts(512, 9)]
+            seqs = [eng.add_request(p, params) for p in random_prompts(512, 9, PROMPT_LENS)]
             while eng.has_unfinished():
                 eng.step()
             outs[eager] = [list(s.output_token_ids) for s in seqs]
@@ -96,7 +91,7 @@ def test_a_dead_gpu_rank_stops_the_engine(tmp_path):
     make_checkpoint("qwen3_moe", tmp_path, seed=3, **GPU_QWEN3)
     eng = engine(tmp_path, "triton", eager=False, tensor_parallel_size=2)
     try:
-        for p in prompts(512, 5):
+        for p in random_prompts(512, 5, PROMPT_LENS):
             eng.add_request(p, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
         for _ in range(5):
             eng.step()

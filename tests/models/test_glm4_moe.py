@@ -13,7 +13,8 @@ from moeserve import LLM, SamplingParams
 from moeserve.config import resolve_model_source
 from moeserve.models import arch_from_hf, checkpoint_name
 from moeserve.ops.moe.routing import RoutingConfig
-from test_hf_equivalence import LOGITS_ATOL, MAX_TOKENS, prompts, run_recording_logits
+from lockstep import random_prompts, run_recording_logits
+from test_hf_equivalence import LOGITS_ATOL, MAX_TOKENS, PROMPT_LENS
 
 
 PLAIN = dict(n_group=1, topk_group=1, use_qk_norm=False, attention_bias=False, partial_rotary_factor=0.25,
@@ -25,7 +26,7 @@ def test_greedy_tokens_and_logits_match_transformers(tmp_path, fuse_norm):
     """``moe_fuse_norm``: the MoE blocks (not the leading dense layer) end in the combine with the next norm."""
     hf = make_checkpoint("glm4_moe", tmp_path)
     assert hf.model.layers[1].mlp.gate.e_score_correction_bias.abs().sum() > 0
-    prompt_ids = prompts(hf.config.vocab_size, seed=2)
+    prompt_ids = random_prompts(hf.config.vocab_size, 2, PROMPT_LENS)
     expected = [hf_greedy(hf, p, MAX_TOKENS) for p in prompt_ids]
     llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", max_num_batched_tokens=16, page_size=4,
               num_kv_pages=25, max_model_len=96, max_num_seqs=4, moe_fuse_norm=fuse_norm)
@@ -61,7 +62,7 @@ def test_routing_matches_transformers_router(tmp_path):
 def test_generate_api_matches_transformers(tmp_path):
     """Single group, no q/k norm, no biases, a quarter of each head rotated."""
     hf = make_checkpoint("glm4_moe", tmp_path, seed=3, **PLAIN)
-    prompt_ids = prompts(hf.config.vocab_size, seed=7)
+    prompt_ids = random_prompts(hf.config.vocab_size, 7, PROMPT_LENS)
     llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", max_num_batched_tokens=32, page_size=8,
               max_model_len=128, max_num_seqs=8)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hf_models import make_checkpoint
-from lockstep import lockstep
+from lockstep import lockstep, random_prompts
 from moeserve.ops.moe.routing import RoutingConfig, deepseek_v3_topk, llama4_topk
 from moeserve.quant.fp8 import block_dequant_fp8, block_quant_fp8, fp8_linear_reference, per_token_group_quant_fp8
 from moeserve.quant.moe_ref import fp8_moe_reference
@@ -266,8 +266,7 @@ def glm_engine(path, backends, eager, **kw):
 
 def glm_prompts():
     from test_gpu_model import PROMPT_LENS
-    g = torch.Generator().manual_seed(4)
-    return [torch.randint(0, GPU_GLM["vocab_size"], (n,), generator=g).tolist() for n in PROMPT_LENS]
+    return random_prompts(GPU_GLM["vocab_size"], 4, PROMPT_LENS)
 
 
 @pytest.mark.parametrize("moe", ["triton", "flashinfer"])

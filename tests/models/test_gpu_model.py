@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_models import make_checkpoint
-from lockstep import lockstep
+from lockstep import lockstep, random_prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -21,6 +21,8 @@ MAX_TOKENS = 10
 GPU_QWEN3 = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
                  moe_intermediate_size=128, intermediate_size=256, num_experts=16, num_experts_per_tok=4,
                  vocab_size=512, initializer_range=0.05)
+# the fast path's operators (each test adds its MoE, routing and linear backends)
+FAST = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
 GPU_QWEN2 = dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=128,
                  intermediate_size=256, shared_expert_intermediate_size=256, num_experts=16, num_experts_per_tok=4,
                  vocab_size=512, initializer_range=0.05)
@@ -45,8 +47,7 @@ def test_fast_path_matches_torch_path(tmp_path, kind, shape, moe):
                              "activation": "flashinfer", "sampling": "flashinfer"}, eager=False)
     ref = engine(tmp_path, {k: "torch" for k in TORCH_OPS}, eager=True)
     assert fast.runner.graphs is not None
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, shape["vocab_size"], (n,), generator=g).tolist() for n in PROMPT_LENS]
+    prompts = random_prompts(shape["vocab_size"], 4, PROMPT_LENS)
     r = lockstep(fast, ref, prompts, MAX_TOKENS, follow="fast")
     worst_cos, agreement, graph_steps = r.worst, r.agreement, r.graph_steps
     assert graph_steps > 0, "decode steps should have replayed CUDA graphs"
@@ -56,11 +57,9 @@ def test_fast_path_matches_torch_path(tmp_path, kind, shape, moe):
 
 def test_graph_decode_matches_eager_decode(tmp_path):
     make_checkpoint("qwen3_moe", tmp_path, seed=2, **GPU_QWEN3)
-    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
-    graphs = engine(tmp_path, {**fast, "moe": "triton"}, eager=False)
-    eager = engine(tmp_path, {**fast, "moe": "triton"}, eager=True)
-    g = torch.Generator().manual_seed(9)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 50, 7)]
+    graphs = engine(tmp_path, {**FAST, "moe": "triton"}, eager=False)
+    eager = engine(tmp_path, {**FAST, "moe": "triton"}, eager=True)
+    prompts = random_prompts(512, 9, (3, 50, 7))
     r = lockstep(graphs, eager, prompts, MAX_TOKENS, follow="fast")
     worst_cos, agreement, graph_steps = r.worst, r.agreement, r.graph_steps
     assert graph_steps > 0
@@ -74,14 +73,12 @@ def test_piecewise_graphs_follow_eager_prefill(tmp_path, kind, shape):
     those steps eagerly: worst cosine > 0.999 and at least 95% of the greedy tokens the same (the same kernels on
     padded steps, whose token counts can pick other GEMM and MoE tiles)."""
     make_checkpoint(kind, tmp_path, seed=21, **shape)
-    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
-    pieces = engine(tmp_path, {**fast, "moe": "triton"}, eager=False)
-    eager = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, prefill_graph_max_tokens=0)
+    pieces = engine(tmp_path, {**FAST, "moe": "triton"}, eager=False)
+    eager = engine(tmp_path, {**FAST, "moe": "triton"}, eager=False, prefill_graph_max_tokens=0)
     pw = pieces.runner.piecewise
     assert pw is not None and pw.sizes == [16, 32, 48, 64, 80, 96] and eager.runner.piecewise is None
     assert all(len(pw.pieces[t]) == len(pw.layers[t]) + 1 == 4 for t in pw.sizes)  # 3 layers
-    g = torch.Generator().manual_seed(22)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    prompts = random_prompts(512, 22, PROMPT_LENS)
     r = lockstep(pieces, eager, prompts, MAX_TOKENS, follow="fast")
     assert r.piecewise_steps >= 5 and r.graph_steps > 0, (r.piecewise_steps, r.graph_steps)
     assert r.worst > 0.999 and r.agreement >= 0.95, (r.worst, r.agreement)
@@ -109,14 +106,12 @@ def test_async_scheduling_gives_the_tokens_of_sync_steps_on_the_gpu(tmp_path):
     produces exactly the tokens of the synchronous one: greedy rows and a seeded sampled row."""
     from moeserve.engine.sampling_params import SamplingParams
     make_checkpoint("qwen3_moe", tmp_path, seed=3, **GPU_QWEN3)
-    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    prompts = random_prompts(512, 5, PROMPT_LENS)
     params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
     params[2] = SamplingParams(temperature=1.0, top_k=50, seed=17, max_tokens=12, ignore_eos=True)
     outs = {}
     for async_scheduling in (False, True):
-        eng = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, async_scheduling=async_scheduling)
+        eng = engine(tmp_path, {**FAST, "moe": "triton"}, eager=False, async_scheduling=async_scheduling)
         outs[async_scheduling] = _generate(eng, prompts, params)
         del eng
         torch.cuda.empty_cache()
@@ -134,9 +129,7 @@ def test_decode_graphs_greedy_tokens_and_index_copies_match_the_plain_replay(tmp
     from moeserve.engine.sampling_params import SamplingParams
     from moeserve.ops import linear_triton
     make_checkpoint("qwen2_moe", tmp_path, seed=31, **{**GPU_QWEN2, "vocab_size": 8192})
-    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
-    g = torch.Generator().manual_seed(33)
-    prompts = [torch.randint(0, 8192, (n,), generator=g).tolist() for n in (7, 60, 3, 25, 90)]
+    prompts = random_prompts(8192, 33, (7, 60, 3, 25, 90))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     def run(eng, batch):
@@ -148,7 +141,7 @@ def test_decode_graphs_greedy_tokens_and_index_copies_match_the_plain_replay(tmp
     for on in (True, False):
         monkeypatch.setattr(linear_triton, "FUSED_ARGMAX", on)
         monkeypatch.setattr(graphs_mod, "FEED_COPIES", on)
-        eng = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, async_scheduling=True)
+        eng = engine(tmp_path, {**FAST, "moe": "triton"}, eager=False, async_scheduling=True)
         gr = eng.runner.graphs
         assert (gr.outputs[1, "flashinfer"][1] is not None) == on  # the one-token graph's tokens
         assert gr.outputs[8, "triton"][1] is None  # more rows than the GEMV takes: the argmax after the graph
@@ -171,12 +164,10 @@ def test_shared_expert_on_a_side_stream_matches_one_stream(tmp_path):
     """Qwen2-MoE with the shared expert on a second CUDA stream (overlapped with the routed experts, inside the
     decode CUDA graphs) gives the logits of the one-stream engine: same kernels, only their overlap differs."""
     make_checkpoint("qwen2_moe", tmp_path, seed=6, **GPU_QWEN2)
-    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
-    two = engine(tmp_path, {**fast, "moe": "triton"}, eager=False)
-    one = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, shared_expert_stream_max_tokens=0)
+    two = engine(tmp_path, {**FAST, "moe": "triton"}, eager=False)
+    one = engine(tmp_path, {**FAST, "moe": "triton"}, eager=False, shared_expert_stream_max_tokens=0)
     assert two.runner.ops.side_stream is not None and one.runner.ops.side_stream is None
-    g = torch.Generator().manual_seed(12)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    prompts = random_prompts(512, 12, PROMPT_LENS)
     r = lockstep(two, one, prompts, MAX_TOKENS, follow="fast")
     assert r.graph_steps > 0
     assert r.worst > 0.99999 and r.agreement == 1.0
@@ -187,12 +178,10 @@ def test_gemv_backend_follows_the_cublas_engine(tmp_path):
     decode graphs; against the cuBLAS engine (other rounding, so the fast path's tolerance: worst cosine > 0.999,
     at least 95% of greedy tokens the same)."""
     make_checkpoint("qwen2_moe", tmp_path, seed=12, **GPU_QWEN2)
-    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
-    gemv = engine(tmp_path, {**fast, "moe": "triton", "linear": "triton"}, eager=False, linear_gemv_max_tokens=4)
-    ref = engine(tmp_path, {**fast, "moe": "triton", "linear": "torch"}, eager=False)
+    gemv = engine(tmp_path, {**FAST, "moe": "triton", "linear": "triton"}, eager=False, linear_gemv_max_tokens=4)
+    ref = engine(tmp_path, {**FAST, "moe": "triton", "linear": "torch"}, eager=False)
     assert gemv.runner.ops.linear.name == "triton" and ref.runner.ops.linear.name == "torch"
-    g = torch.Generator().manual_seed(17)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 50, 7, 20)]
+    prompts = random_prompts(512, 17, (3, 50, 7, 20))
     r = lockstep(gemv, ref, prompts, MAX_TOKENS, follow="fast")
     assert r.graph_steps > 0
     assert r.worst > 0.999 and r.agreement >= 0.95
@@ -205,16 +194,14 @@ def test_triton_add_norm_follows_the_flashinfer_norm_engine(tmp_path, eager):
     arithmetic, another summation order: the fast path's tolerance, worst cosine > 0.999 and at least 95% of
     greedy tokens the same). Eagerly, the kernel is seen to run for the decode steps and only for them."""
     make_checkpoint("qwen2_moe", tmp_path, seed=14, **GPU_QWEN2)
-    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
-    tri = engine(tmp_path, {**fast, "moe": "triton"}, eager=eager, norm_triton_max_tokens=8)
-    ref = engine(tmp_path, {**fast, "moe": "triton"}, eager=eager, norm_triton_max_tokens=0)
+    tri = engine(tmp_path, {**FAST, "moe": "triton"}, eager=eager, norm_triton_max_tokens=8)
+    ref = engine(tmp_path, {**FAST, "moe": "triton"}, eager=eager, norm_triton_max_tokens=0)
     norm = tri.runner.ops.norm
     assert norm.triton_max_tokens == 8 and ref.runner.ops.norm.triton_max_tokens == 0
     rows = []
     launch = norm._triton_add_rmsnorm
     norm._triton_add_rmsnorm = lambda x, *a: rows.append(x.shape[0]) or launch(x, *a)
-    g = torch.Generator().manual_seed(19)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 50, 7, 20)]
+    prompts = random_prompts(512, 19, (3, 50, 7, 20))
     r = lockstep(tri, ref, prompts, MAX_TOKENS, follow="fast")
     if eager:  # the prompts' 80 tokens take FlashInfer's kernel, the decode steps of 4 rows the Triton one
         assert rows and set(rows) == {4}, rows
@@ -231,24 +218,22 @@ def test_triton_decode_attention_matches_torch_path(tmp_path, kind, shape, eager
     greedy tokens), and against FlashInfer's decode on the same engine otherwise (the same tolerance: the
     probabilities are rounded to bf16 before the values at other split points; 0.998 measured on an H200)."""
     make_checkpoint(kind, tmp_path, seed=21, **shape)
-    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
-    tri = engine(tmp_path, {**fast, "moe": "triton"}, eager=eager, attention_decode_triton_max_tokens=8)
+    tri = engine(tmp_path, {**FAST, "moe": "triton"}, eager=eager, attention_decode_triton_max_tokens=8)
     att = tri.runner.ops.attention
     assert att.decode_ws is not None and att.decode_ws.max_tokens == 8 and att.decode_ws.serves(8)
     calls = []
     launch = att._qkv_decode
     att._qkv_decode = lambda *a, **k: calls.append(a[0].shape[0]) or launch(*a, **k)
     ref = engine(tmp_path, {k: "torch" for k in TORCH_OPS}, eager=True)
-    g = torch.Generator().manual_seed(23)
-    prompts = [torch.randint(0, shape["vocab_size"], (n,), generator=g).tolist() for n in PROMPT_LENS]
+    prompts = random_prompts(shape["vocab_size"], 23, PROMPT_LENS)
     r = lockstep(tri, ref, prompts, MAX_TOKENS, follow="fast")
     assert r.worst > 0.995 and r.agreement >= 0.95
     if eager:
         assert calls and max(calls) <= 8, "eager decode steps should have run the Triton decode"
     else:
         assert r.graph_steps > 0
-    tri = engine(tmp_path, {**fast, "moe": "triton"}, eager=eager, attention_decode_triton_max_tokens=8)  # fresh
-    fi = engine(tmp_path, {**fast, "moe": "triton"}, eager=eager, attention_decode_triton_max_tokens=0)
+    tri = engine(tmp_path, {**FAST, "moe": "triton"}, eager=eager, attention_decode_triton_max_tokens=8)  # fresh
+    fi = engine(tmp_path, {**FAST, "moe": "triton"}, eager=eager, attention_decode_triton_max_tokens=0)
     assert fi.runner.ops.attention.decode_ws is None
     r = lockstep(tri, fi, prompts, MAX_TOKENS, follow="fast")
     assert r.worst > 0.995 and r.agreement >= 0.95
@@ -259,8 +244,7 @@ def test_triton_decode_graphs_give_way_to_flashinfer_past_the_context_bound(tmp_
     captured both ways, and a step replays FlashInfer's while its longest request holds more than the bound;
     requests that cross it mid-decode follow the torch path with the fast path's tolerance."""
     make_checkpoint("qwen2_moe", tmp_path, seed=21, **GPU_QWEN2)
-    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
-    eng = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, attention_decode_triton_max_tokens=8,
+    eng = engine(tmp_path, {**FAST, "moe": "triton"}, eager=False, attention_decode_triton_max_tokens=8,
                  attention_decode_triton_max_context=64)
     att = eng.runner.ops.attention
     keys = set(eng.runner.graphs.graphs)
@@ -274,8 +258,7 @@ def test_triton_decode_graphs_give_way_to_flashinfer_past_the_context_bound(tmp_
         return replayed[-1][2]
     att.begin_graph = spy
     ref = engine(tmp_path, {k: "torch" for k in TORCH_OPS}, eager=True)
-    g = torch.Generator().manual_seed(29)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (58, 5, 17, 40, 9, 33)]
+    prompts = random_prompts(512, 29, (58, 5, 17, 40, 9, 33))
     r = lockstep(eng, ref, prompts, MAX_TOKENS, follow="fast")
     assert r.worst > 0.995 and r.agreement >= 0.95
     assert {v for bs, n, v in replayed if bs >= 4 and n <= 64} == {"triton"}
@@ -289,18 +272,16 @@ def test_stream_priorities_leave_the_logits_alone(tmp_path, first):
     the logits of the equal-priority engine (worst cosine > 0.99999, every greedy token the same). Graphs above
     ``shared_expert_stream_priority_max_tokens`` are captured with equal priorities."""
     make_checkpoint("qwen2_moe", tmp_path, seed=9, **GPU_QWEN2)
-    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
-    ordered = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, shared_expert_stream_priority=first,
+    ordered = engine(tmp_path, {**FAST, "moe": "triton"}, eager=False, shared_expert_stream_priority=first,
                      shared_expert_stream_priority_max_tokens=8)
-    equal = engine(tmp_path, {**fast, "moe": "triton"}, eager=False)
+    equal = engine(tmp_path, {**FAST, "moe": "triton"}, eager=False)
     graphs = ordered.runner.graphs
     assert graphs.first == {1: first, 2: first, 4: first, 8: first}
     assert equal.runner.graphs.first == {1: "equal", 2: "equal", 4: "equal", 8: "equal"}
     # a lower number is a higher priority; the side stream outside the graphs keeps the default one
     assert graphs.high_priority_stream.priority < ordered.runner.ops.side_stream.priority
     assert ordered.runner.ops.side_stream.priority == equal.runner.ops.side_stream.priority
-    g = torch.Generator().manual_seed(14)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    prompts = random_prompts(512, 14, PROMPT_LENS)
     r = lockstep(ordered, equal, prompts, MAX_TOKENS, follow="fast")
     assert r.graph_steps > 0
     assert r.worst > 0.99999 and r.agreement == 1.0
@@ -313,11 +294,10 @@ def test_stream_priorities_leave_the_logits_alone(tmp_path, first):
 def test_stream_priority_only_up_to_its_bound(tmp_path):
     """Only the graphs of at most ``shared_expert_stream_priority_max_tokens`` tokens favour a path."""
     make_checkpoint("qwen2_moe", tmp_path, seed=9, **GPU_QWEN2)
-    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
-    e = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, shared_expert_stream_priority="routed",
+    e = engine(tmp_path, {**FAST, "moe": "triton"}, eager=False, shared_expert_stream_priority="routed",
                shared_expert_stream_priority_max_tokens=2)
     assert e.runner.graphs.first == {1: "routed", 2: "routed", 4: "equal", 8: "equal"}
-    one = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, shared_expert_stream_priority="routed",
+    one = engine(tmp_path, {**FAST, "moe": "triton"}, eager=False, shared_expert_stream_priority="routed",
                  shared_expert_stream_max_tokens=0)
     assert one.runner.graphs.first == {1: "equal", 2: "equal", 4: "equal", 8: "equal"}  # no second stream
 
@@ -332,16 +312,14 @@ def test_norms_folded_into_neighbours_follow_the_unfused_engine(tmp_path, moe_no
     decode, against the engine without either (worst cosine > 0.9999, at least 95% of the greedy tokens the
     same: the same arithmetic but for the order of the sums of squares)."""
     make_checkpoint("qwen2_moe", tmp_path, seed=11, **GPU_QWEN2)
-    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
-    fused = engine(tmp_path, {**fast, "moe": "triton", "routing": "fused"}, eager=False, moe_fuse_norm=moe_norm,
+    fused = engine(tmp_path, {**FAST, "moe": "triton", "routing": "fused"}, eager=False, moe_fuse_norm=moe_norm,
                    router_fuse_norm=router_norm)
-    plain = engine(tmp_path, {**fast, "moe": "triton", "routing": "fused"}, eager=False)
+    plain = engine(tmp_path, {**FAST, "moe": "triton", "routing": "fused"}, eager=False)
     blocks = lambda e: [layer.mlp for layer in e.runner.model.layers if hasattr(layer.mlp, "takes_norm")]  # noqa: E731
     assert blocks(fused) and all(b.takes_norm(1) == moe_norm for b in blocks(fused))
     assert all(b.takes_router_norm(1) == router_norm and not b.takes_router_norm(17) for b in blocks(fused))
     assert not any(b.takes_norm(1) or b.takes_router_norm(1) for b in blocks(plain))
-    g = torch.Generator().manual_seed(16)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    prompts = random_prompts(512, 16, PROMPT_LENS)
     r = lockstep(fused, plain, prompts, MAX_TOKENS, follow="fast")
     assert r.graph_steps > 0
     assert r.worst > 0.9999 and r.agreement >= 0.95, (r.worst, r.agreement)
@@ -354,19 +332,17 @@ def test_steps_without_the_alignment_follow_the_aligned_engine(tmp_path, monkeyp
     least 95% of the greedy tokens the same: the same products, summed in tiles of another height)."""
     from moeserve.ops.moe import triton_kernels
     make_checkpoint("qwen2_moe", tmp_path, seed=12, **GPU_QWEN2)
-    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
     aligned_steps, align = [], triton_kernels.moe_align_block_size
     monkeypatch.setattr(triton_kernels, "moe_align_block_size",
                         lambda ids, *a: aligned_steps.append(ids.shape[0]) or align(ids, *a))
-    pairwise = engine(tmp_path, {**fast, "moe": "triton", "routing": "fused"}, eager=False,
+    pairwise = engine(tmp_path, {**FAST, "moe": "triton", "routing": "fused"}, eager=False,
                       moe_pairwise_max_tokens=64)
     assert all(t > 64 for t in aligned_steps), sorted(set(aligned_steps))  # graphs of 1-8 captured unaligned
     aligned_steps.clear()
-    aligned = engine(tmp_path, {**fast, "moe": "triton", "routing": "fused"}, eager=False,
+    aligned = engine(tmp_path, {**FAST, "moe": "triton", "routing": "fused"}, eager=False,
                      moe_pairwise_max_tokens=0)
     assert {2, 4, 8} <= set(aligned_steps)
-    g = torch.Generator().manual_seed(17)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    prompts = random_prompts(512, 17, PROMPT_LENS)
     r = lockstep(pairwise, aligned, prompts, MAX_TOKENS, follow="fast")
     assert r.graph_steps > 0
     assert r.worst > 0.9999 and r.agreement >= 0.95, (r.worst, r.agreement)
@@ -396,12 +372,11 @@ def test_one_kernel_attention_half_follows_the_kernel_by_kernel_engine(tmp_path,
     launch = layer_triton.attention_half  # counted as the engine captures its decode graph
     monkeypatch.setattr(layer_triton, "attention_half",
                         lambda *a, **k: calls.append(k.get("router") is not None) or launch(*a, **k))
-    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")} | {"moe": "triton"}
+    fast = FAST | {"moe": "triton"}
     on = one_at_a_time(fast, False, attention_layer_kernel=True)
     assert on.runner.ops.attention.layer_ws is not None, "the layer kernel should be on for this model"
     ref = one_at_a_time({k: "torch" for k in TORCH_OPS}, True)
-    g = torch.Generator().manual_seed(33)
-    prompts = [torch.randint(0, shape["vocab_size"], (n,), generator=g).tolist() for n in PROMPT_LENS[:5]]
+    prompts = random_prompts(shape["vocab_size"], 33, PROMPT_LENS[:5])
     r = lockstep(on, ref, prompts, MAX_TOKENS, follow="fast")
     assert r.graph_steps > 0 and calls, "the decode graph should hold the layer kernel"
     from moeserve.models.layers import SparseMoE
@@ -438,16 +413,14 @@ def test_one_token_seams_follow_an_engine_without_them(tmp_path, monkeypatch):
         seen["norm"] += folded and kw["combine"]["add_norm"] is not None
         return invoke(*a, **kw)
     monkeypatch.setattr(routed_moe_triton, "invoke_fused_moe_kernel", count_combine)
-    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
-    folded = engine(tmp_path, {**fast, "moe": "triton", "routing": "fused"}, eager=False)
+    folded = engine(tmp_path, {**FAST, "moe": "triton", "routing": "fused"}, eager=False)
     assert folded.runner.plan.moe_route_in_grid and folded.runner.ops.moe_fuse_norm_in_grid
     assert folded.runner.ops.linear.name == "triton"
     assert seen["combine"] > 0 and seen["norm"] > 0, seen  # the one-token graph was captured with them
-    plain = engine(tmp_path, {**fast, "moe": "triton", "routing": "fused", "linear": "torch"}, eager=False,
+    plain = engine(tmp_path, {**FAST, "moe": "triton", "routing": "fused", "linear": "torch"}, eager=False,
                    moe_route_in_grid=False)
     assert not plain.runner.ops.moe_fuse_norm_in_grid
-    g = torch.Generator().manual_seed(43)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    prompts = random_prompts(512, 43, PROMPT_LENS)
     r = lockstep(folded, plain, prompts, MAX_TOKENS, follow="fast")
     assert r.graph_steps > 0
     assert r.worst > 0.999 and r.agreement >= 0.95, (r.worst, r.agreement)
@@ -465,9 +438,7 @@ def test_copies_between_steps_off_the_step_stream_give_the_same_tokens(tmp_path,
     from moeserve.engine.sampling_params import SamplingParams
     from moeserve.ops import basic
     make_checkpoint("qwen2_moe", tmp_path, seed=47, **GPU_QWEN2)
-    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
-    g = torch.Generator().manual_seed(53)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    prompts = random_prompts(512, 53, PROMPT_LENS)
     params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
     params[2] = SamplingParams(temperature=1.0, top_k=50, seed=17, max_tokens=12, ignore_eos=True)
     monkeypatch.setattr(basic, "EMBED_NORM", False)  # the same arithmetic in both engines
@@ -479,7 +450,7 @@ def test_copies_between_steps_off_the_step_stream_give_the_same_tokens(tmp_path,
     for on in (False, True):
         monkeypatch.setattr(batch_mod, "SIDE_COPY", on)
         monkeypatch.setattr(runner_mod, "DEFER_TOKEN_COPY", on)
-        eng = engine(tmp_path, {**fast, "moe": "triton"}, eager=False)
+        eng = engine(tmp_path, {**FAST, "moe": "triton"}, eager=False)
         assert eng.runner.builder.side_copy == on and eng.runner.defer_token_copy == on
         fed_out.clear()
         outs[on] = _generate(eng, prompts, params)
@@ -500,19 +471,17 @@ def test_embedding_and_first_norm_in_one_kernel_follow_the_two(tmp_path, monkeyp
     tolerance (worst cosine > 0.999, at least 95% of the greedy tokens the same)."""
     from moeserve.ops import basic
     make_checkpoint("qwen2_moe", tmp_path, seed=59, **GPU_QWEN2)
-    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")}
     rows = []
     launch = basic.FlashInferNorm._triton_embed_rmsnorm
     monkeypatch.setattr(basic.FlashInferNorm, "_triton_embed_rmsnorm",
                         lambda self, ids, *a: rows.append(ids.shape[0]) or launch(self, ids, *a))
     monkeypatch.setattr(basic, "EMBED_NORM", True)
-    one = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, norm_triton_max_tokens=8)
+    one = engine(tmp_path, {**FAST, "moe": "triton"}, eager=False, norm_triton_max_tokens=8)
     assert rows and max(rows) <= 8  # in the decode graphs' capture
     monkeypatch.setattr(basic, "EMBED_NORM", False)
-    two = engine(tmp_path, {**fast, "moe": "triton"}, eager=False, norm_triton_max_tokens=8)
+    two = engine(tmp_path, {**FAST, "moe": "triton"}, eager=False, norm_triton_max_tokens=8)
     assert not two.runner.ops.norm.embed_norm and one.runner.ops.norm.embed_norm
-    g = torch.Generator().manual_seed(61)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    prompts = random_prompts(512, 61, PROMPT_LENS)
     r = lockstep(one, two, prompts, MAX_TOKENS, follow="fast")
     assert r.graph_steps > 0
     assert r.worst > 0.999 and r.agreement >= 0.95, (r.worst, r.agreement)
@@ -534,7 +503,8 @@ def test_qkv_gemv_and_attention_in_one_grid_follow_the_two_kernels(tmp_path, mon
     make_checkpoint(kind, tmp_path, seed=71, **shape)
 
     def one_at_a_time():
-        return LLMEngine(make_config(model=str(tmp_path), dtype="bfloat16", device="cuda", backends=fast,
+        return LLMEngine(make_config(model=str(tmp_path), dtype="bfloat16", device="cuda",
+                                     backends=FAST | {"moe": "triton"},
                                      page_size=16, max_num_batched_tokens=96, num_kv_pages=48, max_model_len=384,
                                      max_num_seqs=1, enforce_eager=False, cuda_graph_batch_sizes=[1]))
     calls = []
@@ -542,13 +512,11 @@ def test_qkv_gemv_and_attention_in_one_grid_follow_the_two_kernels(tmp_path, mon
     monkeypatch.setattr(qg, "qkv_gemv_decode_attention", lambda *a, **k: calls.append(1) or launch(*a, **k))
     monkeypatch.setattr(qg, "TILES", form)
     monkeypatch.setattr(qg, "QKV_IN_GRID", True)
-    fast = {k: "flashinfer" for k in ("attention", "norm", "rope", "activation", "sampling")} | {"moe": "triton"}
     grid = one_at_a_time()
     assert len(calls) >= len(grid.runner.model.layers), "the decode graph should hold the grid in every layer"
     monkeypatch.setattr(qg, "QKV_IN_GRID", False)  # (read as a graph is captured: the first engine keeps its grid)
     apart = one_at_a_time()
-    g = torch.Generator().manual_seed(73)
-    prompts = [torch.randint(0, shape["vocab_size"], (n,), generator=g).tolist() for n in PROMPT_LENS[:4]]
+    prompts = random_prompts(shape["vocab_size"], 73, PROMPT_LENS[:4])
     r = lockstep(grid, apart, prompts, MAX_TOKENS, follow="fast")
     assert r.graph_steps > 0
     assert r.worst > 0.999 and r.agreement >= 0.98, (r.worst, r.agreement)

@@ -5,17 +5,12 @@ import pytest
 import torch
 
 from hf_models import hf_greedy, hf_logits, make_checkpoint
-from lockstep import run_recording_logits
+from lockstep import random_prompts, run_recording_logits
 from moeserve import LLM, SamplingParams
 
 PROMPT_LENS = [3, 17, 40, 65, 9]
 MAX_TOKENS = 12
 LOGITS_ATOL = 2e-4  # float32 on CPU: differences come only from summation order
-
-
-def prompts(vocab: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
 @pytest.mark.parametrize("fuse_norm", [0, 1 << 20, 1], ids=["", "moe_fuse_norm", "moe_fuse_norm_max_tokens-1"])
@@ -25,7 +20,7 @@ def test_greedy_tokens_and_logits_match_transformers(tmp_path, kind, fuse_norm):
     layer's input norm (the last one the final norm), the torch reference of the Triton kernel;
     ``moe_fuse_norm_max_tokens: 1``: only one-token steps do (the others run the norm as its own op)."""
     hf = make_checkpoint(kind, tmp_path)
-    prompt_ids = prompts(hf.config.vocab_size)
+    prompt_ids = random_prompts(hf.config.vocab_size, 1, PROMPT_LENS)
     expected = [hf_greedy(hf, p, MAX_TOKENS) for p in prompt_ids]
 
     # A small token budget forces chunked prefill and mixed steps; 24 usable pages of 4 tokens hold
@@ -55,7 +50,7 @@ def test_greedy_tokens_and_logits_match_transformers(tmp_path, kind, fuse_norm):
 @pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe"])
 def test_generate_api_matches_transformers(tmp_path, kind):
     hf = make_checkpoint(kind, tmp_path, seed=3)
-    prompt_ids = prompts(hf.config.vocab_size, seed=5)
+    prompt_ids = random_prompts(hf.config.vocab_size, 5, PROMPT_LENS)
     llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", max_num_batched_tokens=32, page_size=8)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
